@@ -1,0 +1,128 @@
+"""Stage 01: chat data -> the verifier's chat template -> token ids with assistant-only loss masks.
+
+Usage:
+    python 01_prepare_dataset.py --model-path data/models/smollm2-135m-instruct --dataset sharegpt \
+        --num-samples 300 --output-dir data/prepared
+    python 01_prepare_dataset.py --config configs/kimi-k2.5-int4.yaml
+
+Inputs:  --model-path (HF folder or hub id: tokenizer + chat template); --dataset (`sharegpt` = the embedded
+         ShareGPT, a .jsonl/.json/.parquet file or folder, or a hub dataset id). ShareGPT
+         `conversations[{from, value}]` and OpenAI `messages[{role, content}]`, detected per record.
+Outputs: --output-dir/tokenized_data.jsonl  one {"id", "input_ids", "loss_mask"} per line
+         --output-dir/token_freq.npy        int64 [V] counts of loss-masked tokens per verifier token id
+         --output-dir/manifest.json         arguments, verifier fingerprint, counts, versions, command
+Selection: the first --num-samples records of the source (so records after them stay held out for
+stage 05), written in an order shuffled by --seed. Every assistant turn is trained.
+"""
+import collections
+import json
+import os
+import random
+
+from eagle3pipe import cli, conversations, files, verifier
+
+
+def parse_args(argv=None):
+    p = cli.Parser(description="Stage 01: tokenize chat data with assistant-only loss masks.")
+    p.add_argument("--model-path", help="verifier: HF model folder or hub id (tokenizer + chat template)")
+    p.add_argument("--dataset", default="sharegpt", help="'sharegpt', a .jsonl/.json/.parquet file or folder, "
+                   "or a hub dataset id")
+    p.add_argument("--split", default="train", help="split of a hub dataset")
+    p.add_argument("--output-dir", default="data/prepared", help="stage 01 output folder")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="truncate each conversation to this many tokens")
+    p.add_argument("--num-samples", type=int, default=None, help="use the first N records (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the output row order")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi)")
+    args = cli.parse_args(p, "prepare", argv, required=["model_path"], aliases={"prepared_data": "output_dir"})
+    if args.max_seq_len < 2:
+        raise cli.UsageError(f"--max-seq-len {args.max_seq_len}: must be at least 2")
+    if args.num_samples is not None and args.num_samples < 1:
+        raise cli.UsageError(f"--num-samples {args.num_samples}: must be at least 1")
+    return args
+
+
+def read_conversations(args, log):
+    """The selected records, validated before the tokenizer loads: a bad record fails in seconds."""
+    info, records, skipped, n = {}, [], collections.Counter(), 0
+    for where, rec in conversations.iter_records(args.dataset, args.split, info):
+        if args.num_samples is not None and n >= args.num_samples:
+            break
+        rid, messages = conversations.normalize(where, rec)
+        n += 1
+        if not messages:
+            skipped["empty"] += 1
+        elif not any(m["role"] == "assistant" for m in messages):
+            skipped["no_assistant_turn"] += 1
+        else:
+            records.append((rid or f"row{n - 1}", messages))
+    if not records:
+        raise cli.UsageError(f"--dataset {args.dataset}: no trainable conversation among {n} records "
+                             f"(skipped: {dict(skipped)})")
+    log.info(f"read {n} records from {info.get('source_file', args.dataset)}"
+             + (" (the file is truncated; stopped at its last complete record)" if info.get("truncated_source")
+                and args.num_samples is None else ""))
+    return records, n, skipped, info
+
+
+def main():
+    args = parse_args()
+    log = cli.setup_logging()
+    fp = verifier.fingerprint(args.model_path)
+    conversations.check_dataset(args.dataset)
+    files.check_output_dir("--output-dir", args.output_dir, "prepare")
+    records, n_read, skipped, info = read_conversations(args, log)
+
+    import numpy as np
+    from eagle3pipe import masks
+    from eagle3pipe.progress import Progress
+    tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
+    vocab = fp["vocab_size"]
+    counts = collections.Counter()
+    freq = np.zeros(vocab, dtype=np.int64)
+    rows, first_template_error = [], None
+    bar = Progress(len(records), "prepare", "conversations")
+    for rid, messages in records:
+        bar.update(1)
+        try:
+            ids, mask, meta = masks.tokenize_conversation(tok, messages, args.max_seq_len)
+        except masks.TemplateError as e:
+            skipped["template_error"] += 1
+            first_template_error = first_template_error or f"{rid}: {e}"
+            continue
+        counts["unaligned_turns"] += meta["unaligned"]
+        counts["truncated"] += meta["truncated"]
+        if not any(mask):
+            skipped["nothing_trainable" if not meta["truncated"] else "nothing_trainable_after_truncation"] += 1
+            continue
+        if max(ids) >= vocab:
+            raise cli.UsageError(f"record {rid}: token id {max(ids)} >= the verifier's vocab size {vocab}; "
+                                 f"the tokenizer does not match config.json")
+        freq += np.bincount(np.asarray(ids)[np.asarray(mask, dtype=bool)], minlength=vocab)
+        bar.tokens += len(ids)
+        rows.append({"id": rid, "input_ids": ids, "loss_mask": mask})
+    bar.close()
+    if first_template_error:
+        log.warning(f"the chat template refused {skipped['template_error']} conversations, e.g. {first_template_error}")
+    if not rows:
+        raise cli.UsageError(f"--dataset {args.dataset}: no trainable conversation among {n_read} records "
+                             f"(skipped: {dict(skipped)})")
+    random.Random(args.seed).shuffle(rows)
+
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    stats = {"records_read": n_read, "rows": len(rows), "skipped": dict(skipped), "tokens": tokens,
+             "loss_tokens": int(freq.sum()), "max_row_tokens": max(len(r["input_ids"]) for r in rows),
+             "max_token_id": max(max(r["input_ids"]) for r in rows), **counts}
+    with files.staged_dir(args.output_dir) as out:
+        with open(os.path.join(out, "tokenized_data.jsonl"), "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+        np.save(os.path.join(out, "token_freq.npy"), freq)
+        files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
+            "prepare", args, verifier=fp, source={k: v for k, v in info.items()}, counts=stats))
+    log.info(f"wrote {len(rows)} rows, {tokens:,} tokens ({stats['loss_tokens']:,} trained, "
+             f"{stats['loss_tokens'] / tokens:.1%}) to {args.output_dir}; skipped {sum(skipped.values())} "
+             f"{dict(skipped)}; truncated {counts['truncated']}")
+
+
+if __name__ == "__main__":
+    cli.run(main)

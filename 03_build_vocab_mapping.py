@@ -1,0 +1,68 @@
+"""Stage 03: verifier vocab -> draft vocab (e.g. 163,840 -> 32,000) from loss-masked token counts.
+
+Usage:
+    python 03_build_vocab_mapping.py --prepared-data data/prepared --draft-vocab-size 8192
+    python 03_build_vocab_mapping.py --config configs/kimi-k2.5-int4.yaml
+
+Inputs:  --prepared-data: stage 01 folder (token_freq.npy + manifest.json).
+Outputs: --output-dir (default data/vocab_map_<K>: the name carries the size, so a stale map is never
+         picked up by accident):
+           d2t.npy   int64 [K]  draft id i -> verifier id i + d2t[i]  (what vLLM and speculators use)
+           t2d.npy   bool  [V]  True where a verifier token is in the draft vocab
+           manifest.json        arguments, verifier fingerprint, coverage, versions, command
+Prints the fraction of loss-masked training tokens the draft vocab covers.
+"""
+import os
+
+from eagle3pipe import cli, files
+
+
+def parse_args(argv=None):
+    p = cli.Parser(description="Stage 03: build the draft vocabulary mapping (d2t / t2d).")
+    p.add_argument("--prepared-data", default="data/prepared", help="stage 01 output folder")
+    p.add_argument("--draft-vocab-size", type=int, default=32000, help="K: tokens in the draft vocab")
+    p.add_argument("--output-dir", default=None, help="output folder (default: data/vocab_map_<K>)")
+    args = cli.parse_args(p, "vocab", argv, aliases={"vocab_mapping": "output_dir"})
+    if args.output_dir is None:
+        args.output_dir = f"data/vocab_map_{args.draft_vocab_size}"
+    return args
+
+
+def main():
+    args = parse_args()
+    log = cli.setup_logging()
+    prep = files.load_stage("--prepared-data", args.prepared_data, "prepare")
+    files.check_output_dir("--output-dir", args.output_dir, "vocab")
+    vocab = prep["verifier"]["vocab_size"]
+    if not 1 <= args.draft_vocab_size <= vocab:
+        raise cli.UsageError(f"--draft-vocab-size {args.draft_vocab_size}: must be between 1 and the verifier "
+                             f"vocab size {vocab}")
+
+    import numpy as np
+    from eagle3pipe.vocab import build_mapping
+    freq_path = os.path.join(args.prepared_data, "token_freq.npy")
+    try:
+        freq = np.load(freq_path)
+    except (OSError, ValueError) as e:
+        raise cli.UsageError(f"{freq_path}: unreadable ({e}); rerun 01_prepare_dataset.py")
+    if freq.ndim != 1 or freq.shape[0] != vocab or not np.issubdtype(freq.dtype, np.integer):
+        raise cli.UsageError(f"{freq_path}: expected int64 [{vocab}], got {freq.dtype} {list(freq.shape)}; "
+                             f"rerun 01_prepare_dataset.py")
+    d2t, t2d, coverage = build_mapping(freq, args.draft_vocab_size)
+
+    with files.staged_dir(args.output_dir) as out:
+        np.save(os.path.join(out, "d2t.npy"), d2t)
+        np.save(os.path.join(out, "t2d.npy"), t2d)
+        files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
+            "vocab", args, verifier=prep["verifier"], prepared_data=os.path.abspath(args.prepared_data),
+            counts={"verifier_vocab_size": vocab, "draft_vocab_size": args.draft_vocab_size,
+                    "tokens_seen": int((freq > 0).sum()), "loss_tokens": int(freq.sum()),
+                    "coverage": coverage}))
+    log.info(f"draft vocab {args.draft_vocab_size:,} of {vocab:,} verifier tokens ({int((freq > 0).sum()):,} "
+             f"seen in training) covers {coverage:.2%} of the {int(freq.sum()):,} loss-masked tokens -> "
+             f"{args.output_dir}")
+    print(f"coverage: {coverage:.4f}")
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,78 @@
+"""Chat-template rendering and assistant-only loss masks, by render boundaries (never regex on text).
+
+For each assistant turn i the verifier's own template renders
+    p = messages[:i] + generation prompt        (what the model sees before it starts answering)
+    q = messages[:i+1]                          (the same, with the answer and the end-of-turn)
+and the text between len(p) and len(q) is the assistant's: content plus the template's end-of-turn tokens.
+Both must be prefixes of the full render; a turn whose renders are not (templates that rewrite history,
+e.g. dropping earlier reasoning) is left untrained and counted, never guessed.
+
+The full text is tokenized segment by segment (context | answer | context | answer ...), so every mask
+boundary is a token boundary and an answer is tokenized on its own, as the verifier would have generated it.
+"""
+import os
+
+
+class TemplateError(Exception):
+    """The template refused a conversation (e.g. roles must alternate)."""
+
+
+def load_tokenizer(model_path, trust_remote_code=False):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if not getattr(tok, "chat_template", None):
+        from .cli import UsageError
+        raise UsageError(f"--model-path {model_path}: the tokenizer has no chat template")
+    return tok
+
+
+def render(tok, messages, generation_prompt):
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:  # jinja2's raise_exception() and template bugs alike
+        raise TemplateError(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+
+def assistant_spans(tok, messages):
+    """(full text, [(start, end) character spans of trained assistant text], number of unaligned turns)."""
+    full = render(tok, messages, False)
+    spans, unaligned, pos = [], 0, 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        q = render(tok, messages[: i + 1], False)
+        if i:
+            p = render(tok, messages[:i], True)
+        else:  # a conversation opening with the assistant has no prompt to render: its answer starts where
+            # the render of an empty answer stops agreeing with q (after any injected system prompt)
+            e = render(tok, [{"role": "assistant", "content": ""}], False)
+            p = q[: len(os.path.commonprefix([e, q]))]
+        if q.startswith(p) and full.startswith(q) and len(p) >= pos and len(q) > len(p):
+            spans.append((len(p), len(q)))
+            pos = len(q)
+        else:
+            unaligned += 1
+    return full, spans, unaligned
+
+
+def tokenize_conversation(tok, messages, max_seq_len):
+    """-> (input_ids, loss_mask, info). Truncated to max_seq_len; info has 'unaligned' and 'truncated'."""
+    full, spans, unaligned = assistant_spans(tok, messages)
+    ids, mask, pos = [], [], 0
+    pieces = []
+    for start, end in spans:
+        pieces += [(full[pos:start], 0), (full[start:end], 1)]
+        pos = end
+    pieces.append((full[pos:], 0))
+    for text, m in pieces:
+        if not text:
+            continue
+        # add_special_tokens=False: the template already wrote BOS and friends into the text
+        # (transformers' apply_chat_template(tokenize=True) does the same).
+        t = tok(text, add_special_tokens=False)["input_ids"]
+        ids += t
+        mask += [m] * len(t)
+        if len(ids) > max_seq_len:
+            break  # the rest would be cut anyway
+    info = {"unaligned": unaligned, "truncated": len(ids) > max_seq_len}
+    return ids[:max_seq_len], mask[:max_seq_len], info

@@ -1,0 +1,142 @@
+"""Stages 01 and 03 through their command lines: outputs, manifests, resume/overwrite, and every bad input
+refused with exit 2, one `error:` line naming the flag/file/record, in under 3 seconds."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import run_script
+
+GOOD = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]}
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, model_path):
+    out = tmp_path_factory.mktemp("s01") / "prepared"
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--dataset", "sharegpt",
+                      "--num-samples", "40", "--max-seq-len", "512", "--output-dir", str(out))
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+def test_prepare_outputs_agree(prepared, tokenizer):
+    rows = [json.loads(line) for line in open(prepared / "tokenized_data.jsonl")]
+    man = json.load(open(prepared / "manifest.json"))
+    freq = np.load(prepared / "token_freq.npy")
+    assert man["stage"] == "prepare" and man["counts"]["rows"] == len(rows) > 20
+    assert man["counts"]["records_read"] == 40
+    assert sum(man["counts"]["skipped"].values()) + len(rows) == 40
+    assert man["verifier"]["num_hidden_layers"] == 30 and man["verifier"]["vocab_size"] == 49152
+    assert freq.dtype == np.int64 and freq.shape == (49152,)
+    counts = np.zeros(49152, dtype=np.int64)
+    for r in rows:
+        assert set(r) == {"id", "input_ids", "loss_mask"}
+        assert len(r["input_ids"]) == len(r["loss_mask"]) <= 512
+        ids, m = np.array(r["input_ids"]), np.array(r["loss_mask"], dtype=bool)
+        counts += np.bincount(ids[m], minlength=49152)
+        # every trained run starts right after "<|im_start|>assistant\n"
+        starts = np.flatnonzero(m & ~np.r_[False, m[:-1]])
+        for s in starts:
+            assert tokenizer.decode(ids[max(0, s - 4):s]).endswith("<|im_start|>assistant\n")
+    assert np.array_equal(counts, freq)
+    assert man["counts"]["loss_tokens"] == int(freq.sum())
+
+
+def test_prepare_is_deterministic_and_replaces_its_own_output(prepared, model_path, tmp_path):
+    before = (prepared / "tokenized_data.jsonl").read_bytes()
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "40",
+                      "--max-seq-len", "512", "--output-dir", str(prepared))
+    assert p.returncode == 0, p.stderr
+    assert (prepared / "tokenized_data.jsonl").read_bytes() == before
+    assert not [n for n in os.listdir(prepared.parent) if ".partial" in n or ".old" in n]
+
+
+def test_vocab_map(prepared, tmp_path):
+    out = tmp_path / "vm"
+    p, _ = run_script("03_build_vocab_mapping.py", "--prepared-data", str(prepared), "--draft-vocab-size",
+                      "2000", "--output-dir", str(out))
+    assert p.returncode == 0, p.stderr
+    d2t, t2d = np.load(out / "d2t.npy"), np.load(out / "t2d.npy")
+    freq = np.load(prepared / "token_freq.npy")
+    assert d2t.shape == (2000,) and t2d.shape == (49152,) and t2d.sum() == 2000
+    assert np.array_equal(np.arange(2000) + d2t, np.flatnonzero(t2d))
+    man = json.load(open(out / "manifest.json"))
+    assert man["counts"]["coverage"] == pytest.approx(freq[t2d].sum() / freq.sum())
+    assert "coverage:" in p.stdout
+
+
+def bad(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(path)
+
+
+def assert_refused(p, secs, *needles):
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert secs < 3.0, f"refusal took {secs:.1f}s"
+
+
+@pytest.mark.parametrize("name,content,needles", [
+    ("d.jsonl", json.dumps(GOOD) + "\n{not json\n", ["d.jsonl:2", "malformed JSON"]),
+    ("d.jsonl", json.dumps({"messages": "x"}) + "\n", ["d.jsonl:1", "must be a list"]),
+    ("d.jsonl", json.dumps({"conversations": [{"from": "wizard", "value": "x"}]}) + "\n", ["unknown role 'wizard'"]),
+    ("d.jsonl", "", ["file is empty"]),
+    ("d.jsonl", b'{"messages": []}\n\x80\x81\n', ["d.jsonl:2", "not UTF-8"]),
+    ("d.jsonl", json.dumps({"messages": []}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "q"}]}),
+     ["no trainable conversation", "'empty': 1", "'no_assistant_turn': 1"]),
+    ("d.txt", "hello", ["unsupported file type"]),
+])
+def test_prepare_refuses_bad_data(tmp_path, model_path, name, content, needles):
+    path = bad(tmp_path, name, content)
+    p, secs = run_script("01_prepare_dataset.py", "--model-path", model_path, "--dataset", path,
+                         "--output-dir", str(tmp_path / "out"))
+    assert_refused(p, secs, *needles)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--data-path", "x"], ["unknown flag --data-path", "did you mean --prepared-data"]),
+    (["--prepared-data", "/nonexistent"], ["--prepared-data /nonexistent", "01_prepare_dataset.py"]),
+    (["--draft-vocab-size", "abc"], ["--draft-vocab-size", "invalid int"]),
+])
+def test_vocab_refuses_bad_flags(argv, needles):
+    p, secs = run_script("03_build_vocab_mapping.py", *argv)
+    assert_refused(p, secs, *needles)
+
+
+def test_vocab_refuses_too_large_and_wrong_stage(prepared, tmp_path):
+    p, secs = run_script("03_build_vocab_mapping.py", "--prepared-data", str(prepared),
+                         "--draft-vocab-size", "50000", "--output-dir", str(tmp_path / "v"))
+    assert_refused(p, secs, "--draft-vocab-size 50000", "49152")
+    p, secs = run_script("03_build_vocab_mapping.py", "--prepared-data", str(prepared), "--output-dir", str(prepared))
+    assert_refused(p, secs, "holds the output of stage 'prepare'")
+
+
+def test_prepare_refuses_bad_flags_and_paths(tmp_path, model_path):
+    cases = [
+        (["--model-path", "/no/such/model"], ["--model-path /no/such/model"]),
+        (["--model-path", model_path, "--max-seq-len", "0"], ["--max-seq-len 0"]),
+        (["--model-path", model_path, "--num-smaples", "3"], ["did you mean --num-samples"]),
+        (["--dataset", "sharegpt"], ["missing --model-path"]),
+        (["--model-path", model_path, "--output-dir", str(tmp_path)], ["not empty and has no manifest.json"]),
+    ]
+    (tmp_path / "keep.txt").write_text("a person's file")
+    for argv, needles in cases:
+        p, secs = run_script("01_prepare_dataset.py", *argv)
+        assert_refused(p, secs, *needles)
+    assert (tmp_path / "keep.txt").exists()
+
+
+def test_config_errors(tmp_path, model_path):
+    for text, needle in [("max_seq_len: abc\n", "key 'max_seq_len' must be an integer"),
+                         ("max_seq_lenn: 5\n", "unknown key 'max_seq_lenn' (did you mean 'max_seq_len'?)"),
+                         ("train:\n  lrr: 1\n", "unknown key 'train.lrr'"),
+                         ("[1, 2\n", "not valid YAML")]:
+        cfg = bad(tmp_path, "c.yaml", text)
+        p, secs = run_script("01_prepare_dataset.py", "--config", cfg, "--model-path", model_path)
+        assert_refused(p, secs, needle)

@@ -1,0 +1,63 @@
+"""Record parsing: both formats, role aliases, the embedded ShareGPT stream, and errors naming the record."""
+import json
+
+import pytest
+
+from eagle3pipe import conversations as conv
+from eagle3pipe.cli import UsageError
+
+
+def test_sharegpt_and_openai_formats():
+    rid, msgs = conv.normalize("r", {"id": "a", "conversations": [
+        {"from": "system", "value": "s"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
+        {"from": "user", "value": "q2"}, {"from": "chatgpt", "value": "a2"}, {"from": "bing", "value": "a3"},
+        {"from": "bard", "value": "a4"}]})
+    assert rid == "a"
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "assistant", "assistant"]
+    rid, msgs = conv.normalize("r", {"messages": [{"role": "user", "content": "q"},
+                                                  {"role": "assistant", "content": [{"type": "text", "text": "a"},
+                                                                                    {"type": "text", "text": "b"}]}]})
+    assert rid is None and msgs == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]
+
+
+@pytest.mark.parametrize("record,match", [
+    ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown role 'alien'"),
+    ({"conversations": "hello"}, "must be a list"),
+    ({"conversations": [{"from": "human", "value": 3}]}, "content must be a string"),
+    ({"text": "hi"}, "no 'conversations'"),
+    (["not", "an", "object"], "expected a JSON object"),
+])
+def test_malformed_records_name_the_record(record, match):
+    with pytest.raises(UsageError, match=match) as e:
+        conv.normalize("data.jsonl:7", record)
+    assert str(e.value).startswith("data.jsonl:7")
+
+
+def test_jsonl_errors_name_the_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"messages": []}) + "\n{broken\n")
+    with pytest.raises(UsageError, match=r"d.jsonl:2: malformed JSON"):
+        list(conv.iter_records(str(p)))
+    p.write_bytes(b'{"messages": []}\n\xff\xfe\n')
+    with pytest.raises(UsageError, match=r"d.jsonl:2: not UTF-8"):
+        list(conv.iter_records(str(p)))
+    p.write_bytes(b"")
+    with pytest.raises(UsageError, match="file is empty"):
+        list(conv.iter_records(str(p)))
+
+
+def test_json_array_bom_and_folder(tmp_path):
+    rec = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    (tmp_path / "a.json").write_text("\ufeff" + json.dumps([rec, rec]), encoding="utf-8")
+    (tmp_path / "b.jsonl").write_text(json.dumps(rec) + "\n", encoding="utf-8")
+    assert len(list(conv.iter_records(str(tmp_path / "a.json")))) == 2
+    assert len(list(conv.iter_records(str(tmp_path)))) == 3
+
+
+def test_embedded_sharegpt_streams_to_its_truncation():
+    info = {}
+    n = 0
+    for where, rec in conv.iter_records("sharegpt", info=info):
+        conv.normalize(where, rec)
+        n += 1
+    assert n == 17671 and info["truncated_source"] is True
