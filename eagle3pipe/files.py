@@ -139,3 +139,11 @@ def load_stage(flag, folder, stage):
         raise UsageError(f"{flag} {folder}: format version {m.get('format_version')}, this code reads "
                          f"{FORMAT_VERSION}; rerun {script}")
     return m
+
+
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: unreadable ({e})")

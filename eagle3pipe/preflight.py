@@ -1,0 +1,223 @@
+"""Stage 02's preflight: everything that can be checked before the verifier loads, in well under 3 s and
+without importing torch or vLLM. It returns the plan `--dry-run` prints.
+
+Memory model (an estimate, deliberately on the safe side):
+  weights       = bytes of the checkpoint's *.safetensors / *.bin files (split over --tp-size GPUs)
+  per token     = KV cache (2 * layers * kv_heads * head_dim * 2 bytes)
+                + captured states ((L+1) * hidden * 2 bytes)
+                + working activations (~ (4 * hidden + 2 * intermediate) * 4 bytes, one layer at a time)
+  worst batch   = --batch-size * --max-seq-len tokens (or --max-tokens-per-batch when given)
+  available     = GPU: memory per GPU * --gpu-memory-utilization * tp - weights; CPU: MemAvailable - weights
+"""
+import glob
+import json
+import os
+import shutil
+import subprocess
+
+from .cli import UsageError
+
+
+def visible_gpus():
+    """[(name, total bytes)] of the NVIDIA GPUs this process may use, without importing torch."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    gpus = []
+    for line in out.stdout.strip().splitlines():
+        idx, name, mib = [x.strip() for x in line.split(",")]
+        gpus.append((idx, name, int(float(mib)) * 2**20))
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd:
+        keep = [x.strip() for x in cvd.split(",")]
+        gpus = [g for g in gpus if g[0] in keep] if all(k.isdigit() for k in keep) else gpus[: len(keep)]
+    return [(name, total) for _, name, total in gpus]
+
+
+def available_ram():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def weights_bytes(model_path):
+    if not os.path.isdir(model_path):
+        return None  # a hub id: unknown until downloaded
+    files = glob.glob(os.path.join(model_path, "*.safetensors")) or glob.glob(os.path.join(model_path, "*.bin"))
+    return sum(os.path.getsize(f) for f in files)
+
+
+def per_token_bytes(cfg, n_states):
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    heads = cfg.get("num_attention_heads") or 1
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V3 / Kimi): one compressed latent per layer
+        kv = layers * (cfg["kv_lora_rank"] + cfg.get("qk_rope_head_dim", 64)) * 2
+    else:
+        kv = 2 * layers * kv_heads * head_dim * 2
+    inter = cfg.get("intermediate_size") or 4 * hidden
+    act = (4 * hidden + 2 * inter) * 4
+    return kv + n_states * hidden * 2 + act
+
+
+def read_rows(path):
+    """Token count of each row of tokenized_data.jsonl (ids themselves are read later, by the run)."""
+    lengths, max_id = [], -1
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                row = json.loads(line)
+                ids = row["input_ids"]
+                if not isinstance(ids, list) or not ids or len(ids) != len(row["loss_mask"]):
+                    raise ValueError("input_ids and loss_mask must be non-empty lists of equal length")
+            except (ValueError, KeyError, TypeError) as e:
+                raise UsageError(f"{path}:{lineno}: malformed row ({e}); rerun 01_prepare_dataset.py")
+            lengths.append(len(ids))
+            max_id = max(max_id, max(ids))
+    if not lengths:
+        raise UsageError(f"{path}: no rows; rerun 01_prepare_dataset.py")
+    return lengths, max_id
+
+
+def check_memory(args, cfg, n_states, weights, gpus, rows, longest, note=""):
+    """(available bytes, bytes per token, worst-case tokens); refuses a batch that cannot fit."""
+    per_tok = per_token_bytes(cfg, n_states)
+    worst = min(args.batch_size, rows) * longest
+    if args.max_tokens_per_batch:
+        worst = min(worst, args.max_tokens_per_batch)
+    if gpus:
+        per_gpu = min(t for _, t in gpus[: max(args.tp_size, 1)])
+        n = args.tp_size if args.backend == "vllm" else len(gpus)
+        avail = int(per_gpu * args.gpu_memory_utilization * n) - (weights or 0)
+        where = f"{n} GPU(s) x {per_gpu / 2**30:.0f} GiB x {args.gpu_memory_utilization}"
+    else:
+        avail = available_ram() - (weights or 0)
+        if args.backend == "vllm":  # vLLM-CPU reserves its KV cache up front (VLLM_CPU_KVCACHE_SPACE)
+            avail -= int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")) * 2**30)
+        where = "available RAM"
+    if avail <= 0:
+        raise UsageError(f"--model-path {args.model_path}: weights ({(weights or 0) / 2**30:.1f} GiB) do not fit in "
+                         f"{where}; use more GPUs (--tp-size) or a smaller model")
+    if worst * per_tok > avail:
+        fit = avail // (per_tok * longest)
+        hint = f"the largest --batch-size that fits is {fit}" if fit >= 1 else \
+            f"not even one {longest}-token sample fits; lower --max-seq-len"
+        raise UsageError(f"--batch-size {args.batch_size}: a worst-case batch of {worst:,} tokens needs about "
+                         f"{worst * per_tok / 2**30:.1f} GiB but {avail / 2**30:.1f} GiB is left after the weights "
+                         f"({where}); {hint}{note}")
+    return avail, per_tok, worst
+
+
+def free_disk(folder):
+    d = os.path.abspath(folder)
+    while not os.path.isdir(d):
+        d = os.path.dirname(d)
+    return shutil.disk_usage(d).free
+
+
+def resolve_prepared(flag, path):
+    """(jsonl path, stage 01 manifest) from the stage 01 folder or its tokenized_data.jsonl."""
+    from .files import load_stage
+    folder, jsonl = (path, os.path.join(path, "tokenized_data.jsonl")) if not path.endswith(".jsonl") \
+        else (os.path.dirname(path) or ".", path)
+    manifest = load_stage(flag, folder, "prepare")
+    if not os.path.isfile(jsonl):
+        raise UsageError(f"{flag} {path}: {jsonl} not found; rerun 01_prepare_dataset.py")
+    return jsonl, manifest
+
+
+def plan(args):
+    """Every check that needs no model load; returns the plan --dry-run prints."""
+    from . import verifier
+    from .files import check_output_dir, read_manifest
+    for flag, v, lo in (("--batch-size", args.batch_size, 1), ("--tp-size", args.tp_size, 1),
+                        ("--max-seq-len", args.max_seq_len, 2)):
+        if v < lo:
+            raise UsageError(f"{flag} {v}: must be at least {lo}")
+    if args.max_tokens_per_batch is not None and args.max_tokens_per_batch < args.max_seq_len:
+        raise UsageError(f"--max-tokens-per-batch {args.max_tokens_per_batch}: must be at least --max-seq-len "
+                         f"({args.max_seq_len}) so the longest sample fits")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+    jsonl, prep = resolve_prepared("--prepared-data", args.prepared_data)
+    fp = verifier.fingerprint(args.model_path)
+    cfg, _ = verifier.model_files(args.model_path)
+    tc = verifier.text_config(cfg)
+    diff = verifier.same_verifier(fp, prep["verifier"])
+    if diff:
+        raise UsageError(f"--prepared-data {args.prepared_data}: prepared for another verifier ({diff}: "
+                         f"{prep['verifier'].get(diff)} vs {fp.get(diff)} for --model-path); rerun "
+                         f"01_prepare_dataset.py with --model-path {args.model_path}")
+    counts = prep["counts"]
+    if counts["max_token_id"] >= fp["vocab_size"]:
+        raise UsageError(f"--prepared-data: token id {counts['max_token_id']} >= vocab size {fp['vocab_size']}")
+    if counts["max_row_tokens"] > args.max_seq_len:
+        raise UsageError(f"--max-seq-len {args.max_seq_len}: the prepared rows reach {counts['max_row_tokens']} "
+                         f"tokens; raise --max-seq-len or rerun 01_prepare_dataset.py with --max-seq-len "
+                         f"{args.max_seq_len}")
+    maxpos = fp.get("max_position_embeddings")
+    if maxpos and args.max_seq_len + 1 > maxpos:
+        raise UsageError(f"--max-seq-len {args.max_seq_len}: the verifier handles {maxpos} positions")
+    n = fp["num_hidden_layers"]
+    layer_ids = verifier.resolve_layer_ids(args.layer_ids, n)
+    gpus = visible_gpus()
+    if args.backend == "vllm":
+        for what in ("num_attention_heads", "num_key_value_heads"):
+            h = fp.get(what)
+            if h and h % args.tp_size and not (what == "num_key_value_heads" and args.tp_size % h == 0):
+                raise UsageError(f"--tp-size {args.tp_size}: must divide the verifier's {what} ({h})")
+        if gpus and args.tp_size > len(gpus):
+            raise UsageError(f"--tp-size {args.tp_size}: only {len(gpus)} GPU(s) visible "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        if not gpus and args.tp_size > 1:
+            raise UsageError(f"--tp-size {args.tp_size}: no GPU visible; on CPU use --tp-size 1")
+    rows = counts["rows"]
+    if args.batch_size > rows:
+        log_warn = (f"--batch-size {args.batch_size} is larger than the {rows} prepared samples: it is the number "
+                    f"of samples per forward step, not the number of samples to extract (all are extracted)")
+    else:
+        log_warn = None
+    check_output_dir("--output-dir", args.output_dir, "extract")
+    n_states = len(layer_ids)
+    disk_need = counts["tokens"] * n_states * fp["hidden_size"] * 2
+    existing = read_manifest(args.output_dir) if os.path.isdir(args.output_dir) else None
+    free = free_disk(args.output_dir)
+    if disk_need > free and not existing:
+        raise UsageError(f"--output-dir {args.output_dir}: needs about {disk_need / 1e9:.2f} GB, "
+                         f"{free / 1e9:.2f} GB free")
+    weights = weights_bytes(args.model_path)
+    note = f" ({log_warn.split(': ', 1)[1]})" if log_warn else ""
+    avail, per_tok, worst = check_memory(args, tc, n_states, weights, gpus, rows, counts["max_row_tokens"], note)
+    batches = -(-rows // args.batch_size)
+    return {
+        "jsonl": jsonl, "prepared_manifest": prep, "verifier": fp, "layer_ids": layer_ids, "n_states": n_states,
+        "hidden_size": fp["hidden_size"], "rows": rows, "tokens": counts["tokens"], "batches_at_most": batches,
+        "disk_bytes": disk_need, "disk_free_bytes": free, "weights_bytes": weights, "bytes_per_token": per_tok,
+        "worst_batch_tokens": worst, "memory_available_bytes": avail,
+        "device": f"{len(gpus)} GPU(s): {gpus[0][0]}" if gpus else "CPU", "warning": log_warn,
+    }
+
+
+def format_plan(p):
+    gib = 2**30
+    return "\n".join([
+        f"plan: {p['rows']:,} samples, {p['tokens']:,} tokens, up to {p['batches_at_most']:,} batches",
+        f"  layer ids: {p['layer_ids']} (auxiliary, then id {p['layer_ids'][-1]} = last layer before the final norm)",
+        f"  disk: {p['disk_bytes'] / 1e9:.2f} GB to write ({p['n_states'] * p['hidden_size'] * 2:,} B/token), "
+        f"{p['disk_free_bytes'] / 1e9:.1f} GB free",
+        f"  memory: weights {(p['weights_bytes'] or 0) / gib:.2f} GiB; worst batch {p['worst_batch_tokens']:,} tokens x "
+        f"~{p['bytes_per_token']:,} B = {p['worst_batch_tokens'] * p['bytes_per_token'] / gib:.2f} GiB of "
+        f"{p['memory_available_bytes'] / gib:.1f} GiB left ({p['device']})",
+    ])
