@@ -58,7 +58,7 @@ def prepare_output(args, plan, log):
     out = args.output_dir
     identity = {"verifier": {k: plan["verifier"][k] for k in verifier.IDENTITY}, "layer_ids": plan["layer_ids"],
                 "prepared": plan["prepared_manifest"]["created"], "rows": plan["rows"]}
-    run_file = os.path.join(out, ".run.json")
+    run_file = os.path.join(out, files.RUN_FILE)
     if args.overwrite and os.path.isdir(out):
         for name in os.listdir(out):
             if name.startswith(("hs_", ".hs_", ".run.json", ".incoming", files.MANIFEST)):
@@ -72,7 +72,7 @@ def prepare_output(args, plan, log):
         what = next(k for k in identity if old.get(k) != identity[k])
         raise cli.UsageError(f"--output-dir {out}: holds hidden states of another run ({what} differs); "
                              f"use --overwrite or another folder")
-    files.write_json(run_file, {"identity": identity})
+    files.write_json(run_file, {"stage": "extract", "identity": identity})
     return identity
 
 

@@ -47,8 +47,22 @@ def run(main):
     sys.exit(code or 0)
 
 
+# Flag names operators bring from other tools (speculators, SpecForge, vLLM) and from older versions.
+KNOWN_MISTAKES = {
+    "--data-path": "--prepared-data", "--data-dir": "--prepared-data", "--data": "--prepared-data",
+    "--model": "--model-path", "--target-model-path": "--model-path", "--verifier": "--model-path",
+    "--tp": "--tp-size", "--tensor-parallel-size": "--tp-size", "--output": "--output-dir",
+    "--save-dir": "--output-dir", "--out": "--output-dir", "--seq-length": "--max-seq-len",
+    "--max-length": "--max-seq-len", "--max-model-len": "--max-seq-len", "--num-epochs": "--epochs",
+    "--learning-rate": "--lr", "--draft-vocab": "--draft-vocab-size", "--hidden-states-path": "--hidden-states",
+    "--layers": "--layer-ids", "--aux-layers": "--layer-ids",
+}
+
+
 def _suggest(flag, options):
-    """The closest known flag for a misspelled one: string similarity, or the most shared words."""
+    """The known flag a wrong one most likely meant: a known mistake, string similarity, or shared words."""
+    if KNOWN_MISTAKES.get(flag) in options:
+        return KNOWN_MISTAKES[flag]
     close = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
     if close:
         return close[0]

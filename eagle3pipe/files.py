@@ -18,6 +18,8 @@ from . import FORMAT_VERSION
 from .cli import UsageError
 
 MANIFEST = "manifest.json"
+RUN_FILE = ".run.json"  # written when a resumable stage starts: {"stage", "identity"}
+LAUNCHER_FILES = ("extract.log", "extract.pid")  # scripts/extract.sh writes these before the stage starts
 STAGE_SCRIPTS = {
     "prepare": "01_prepare_dataset.py", "extract": "02_extract_hidden_states.py",
     "vocab": "03_build_vocab_mapping.py", "train": "04_train.py", "evaluate": "05_evaluate.py",
@@ -63,10 +65,13 @@ def check_output_dir(flag, folder, stage):
         raise UsageError(f"{flag} {folder}: is a file, expected a folder")
     if os.path.isdir(folder):
         m = read_manifest(folder)
+        run = os.path.join(folder, RUN_FILE)  # a run in progress (killed before its manifest)
+        if m is None and os.path.isfile(run):
+            m = read_json(run)
         if m is not None and m.get("stage") != stage:
             raise UsageError(f"{flag} {folder}: holds the output of stage '{m.get('stage')}'; "
                              f"choose another folder")
-        if m is None and any(not n.startswith(".") for n in os.listdir(folder)):
+        if m is None and any(not n.startswith(".") and n not in LAUNCHER_FILES for n in os.listdir(folder)):
             raise UsageError(f"{flag} {folder}: folder is not empty and has no {MANIFEST}; "
                              f"choose an empty or new folder")
         if not os.access(folder, os.W_OK):

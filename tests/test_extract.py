@@ -1,0 +1,214 @@
+"""Stage 02 through its command line: preflight refusals (exit 2, one line, < 3 s, before any model load),
+the dry run, both backends on real SmolLM2 + ShareGPT rows, speculators reading the files, resume after
+SIGKILL, and injected OOM / NaN faults inside the real loop."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_script
+from test_cli_prepare_vocab import assert_refused
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def prep(tmp_path_factory, model_path):
+    out = tmp_path_factory.mktemp("s02") / "prepared"
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--num-samples", str(N),
+                      "--max-seq-len", "256", "--output-dir", str(out))
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_out(prep, model_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "hs"
+    p, _ = run_script("02_extract_hidden_states.py", "--backend", "hf", "--model-path", model_path,
+                      "--prepared-data", str(prep), "--output-dir", str(out), "--max-seq-len", "256")
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+def rows_of(prep):
+    return [json.loads(l) for l in open(prep / "tokenized_data.jsonl")]
+
+
+def extract(model_path, prep, out, *extra, env=None):
+    return run_script("02_extract_hidden_states.py", "--model-path", model_path, "--prepared-data", str(prep),
+                      "--output-dir", str(out), "--max-seq-len", "256", *extra, env=env)
+
+
+def test_preflight_refusals(prep, model_path, tmp_path):
+    other = tmp_path / "other-model"  # the same files but another hidden size: another verifier
+    other.mkdir()
+    for name in os.listdir(model_path):
+        if name != "config.json":
+            os.symlink(os.path.join(model_path, name), other / name)
+    cfg = json.load(open(os.path.join(model_path, "config.json")))
+    cfg["hidden_size"] = 640
+    json.dump(cfg, open(other / "config.json", "w"))
+    (tmp_path / "v").mkdir()
+    json.dump({"stage": "vocab"}, open(tmp_path / "v" / "manifest.json", "w"))
+    out = str(tmp_path / "hs")
+    cases = [
+        (["--data-path", str(prep)], ["unknown flag --data-path", "did you mean --prepared-data"]),
+        (["--layer-ids", "2,15,40"], ["--layer-ids [40]", "[0, 29]"]),
+        (["--layer-ids", "2,2,27"], ["distinct"]),
+        (["--tp-size", "3"], ["--tp-size 3", "no GPU visible"]),
+        (["--tp-size", "4"], ["--tp-size 4", "must divide", "num_attention_heads (9)"]),
+        (["--batch-size", "0"], ["--batch-size 0"]),
+        (["--max-seq-len", "100"], ["--max-seq-len 100", "rerun 01_prepare_dataset.py"]),
+        (["--max-seq-len", "9000"], ["--max-seq-len 9000", "8192 positions"]),
+        (["--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization 1.5"]),
+        (["--prepared-data", str(tmp_path / "nope")], ["run 01_prepare_dataset.py first"]),
+        (["--model-path", str(other)], ["another verifier", "hidden_size", "rerun 01_prepare_dataset.py"]),
+        (["--output-dir", str(tmp_path / "v")], ["holds the output of stage 'vocab'"]),
+        (["--backend", "tgi"], ["--backend", "invalid choice"]),
+    ]
+    for argv, needles in cases:
+        base = ["--model-path", model_path, "--prepared-data", str(prep), "--output-dir", out, "--max-seq-len", "256"]
+        p, secs = run_script("02_extract_hidden_states.py", *base, *argv)
+        assert_refused(p, secs, *needles)
+    assert not os.path.exists(out)
+
+
+def test_huge_batch_is_refused_or_explained(model_path, tmp_path):
+    """The original incident: --batch-size 2000 taken as 'all samples' on 300 ShareGPT conversations at 2,048
+    tokens. Refused before the model loads, with the largest batch size that fits and the misunderstanding."""
+    prep = tmp_path / "p300"
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "300",
+                      "--output-dir", str(prep))
+    assert p.returncode == 0, p.stderr
+    p, secs = run_script("02_extract_hidden_states.py", "--model-path", model_path, "--prepared-data", str(prep),
+                         "--output-dir", str(tmp_path / "hs"), "--batch-size", "2000", "--max-seq-len", "2048",
+                         "--dry-run")
+    if p.returncode == 2:
+        assert_refused(p, secs, "--batch-size 2000", "the largest --batch-size that fits is",
+                       "not the number of samples to extract")
+    else:  # a machine with enough memory: the dry run passes and explains the flag
+        assert p.returncode == 0 and "not the number of samples to extract" in p.stderr
+    assert not (tmp_path / "hs").exists()
+
+
+def test_dry_run_prints_the_plan_and_loads_nothing(prep, model_path, tmp_path):
+    p, secs = extract(model_path, prep, tmp_path / "hs", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert "layer ids: [2, 15, 27, 30]" in p.stdout and "disk:" in p.stdout and "memory:" in p.stdout
+    assert secs < 3.0 and not (tmp_path / "hs").exists()
+
+
+def test_hf_backend_files_and_speculators_reads_them(hf_out, prep):
+    from hs_connectors import FileTransfer
+    from speculators.data_generation.offline import check_hidden_states
+    rows = rows_of(prep)
+    man = json.load(open(hf_out / "manifest.json"))
+    assert man["layer_ids"] == [2, 15, 27, 30] and man["complete"] and man["counts"]["ok"] == len(rows)
+    assert "before the final norm" in man["layer_id_convention"]
+    ft = FileTransfer(hf_out)
+    for i, r in enumerate(rows):
+        data = ft.get_cached(i)
+        check_hidden_states(data, r["input_ids"])
+        assert data["hidden_states"].shape == (len(r["input_ids"]), 4, 576)
+        assert data["hidden_states"].dtype == torch.bfloat16
+    assert not [n for n in os.listdir(hf_out) if n.startswith(".hs_") or n == ".incoming"]
+
+
+def test_layer_ids_match_the_convention(hf_out, prep, model_path):
+    """id k = input of layer k = HF output_hidden_states[k]; id n = last layer output before the final norm."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([rows_of(prep)[0]["input_ids"]])
+    captured = {}
+    model.model.layers[-1].register_forward_hook(lambda m, a, o: captured.setdefault("last", o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    ours = load_file(hf_out / "hs_0.safetensors")["hidden_states"].float()
+
+    def rel(a, b):  # the file came from a padded batch: equal up to bf16 rounding
+        return ((a - b.float()).norm() / b.float().norm()).item()
+    for slot, k in enumerate([2, 15, 27]):
+        err = rel(ours[:, slot], hs[k][0])
+        assert err < 0.01
+        assert err * 3 < min(rel(ours[:, slot], hs[k - 1][0]), rel(ours[:, slot], hs[k + 1][0]))  # no off-by-one
+    err = rel(ours[:, 3], captured["last"][0])
+    assert err < 0.03 and err * 3 < rel(ours[:, 3], hs[29][0])
+    assert rel(ours[:, 3], hs[30][0]) > 0.5  # HF's last entry is after the final norm: not id n
+
+
+def test_rerun_resumes_and_overwrite(hf_out, prep, model_path):
+    before = {n: os.path.getmtime(hf_out / n) for n in os.listdir(hf_out) if n.startswith("hs_")}
+    p, _ = extract(model_path, prep, hf_out, "--backend", "hf")
+    assert p.returncode == 0, p.stderr
+    n = len(rows_of(prep))
+    assert f"{n} of {n} samples already extracted" in p.stderr
+    assert before == {n: os.path.getmtime(hf_out / n) for n in before}
+    p, secs = extract(model_path, prep, hf_out, "--backend", "hf", "--layer-ids", "3,15,27")
+    assert_refused(p, secs, "holds hidden states of another run", "--overwrite")
+
+
+def test_kill_mid_run_then_resume(prep, model_path, tmp_path):
+    out = tmp_path / "hs"
+    cmd = [sys.executable, "02_extract_hidden_states.py", "--backend", "hf", "--model-path", model_path,
+           "--prepared-data", str(prep), "--output-dir", str(out), "--max-seq-len", "256", "--batch-size", "1"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len([n for n in os.listdir(out) if n.startswith("hs_")] if out.exists() else []) < 3:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    got = [n for n in os.listdir(out) if n.startswith("hs_")]
+    n = len(rows_of(prep))
+    assert 3 <= len(got) < n and not (out / "manifest.json").exists()
+    # a truncated file under a final name (as a foreign tool or a dying disk might leave) is found and redone
+    victim = out / got[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    p, _ = run_script(*cmd[1:])
+    assert p.returncode == 0, p.stderr
+    assert "unreadable" in p.stderr and "will be extracted again" in p.stderr
+    man = json.load(open(out / "manifest.json"))
+    assert man["counts"]["ok"] == n and man["counts"]["resumed"] == len(got) - 1
+    from speculators.data_generation.offline import check_hidden_states
+    for i, r in enumerate(rows_of(prep)):
+        check_hidden_states(load_file(out / f"hs_{i}.safetensors"), r["input_ids"])
+
+
+def test_injected_oom_splits_batches_and_nan_fails_one_row(prep, model_path, tmp_path):
+    rows = rows_of(prep)
+    lengths = sorted(len(r["input_ids"]) for r in rows)
+    limit = lengths[-2] - 1  # only the longest two rows cannot fit, even alone
+    out = tmp_path / "hs"
+    p, _ = extract(model_path, prep, out, "--backend", "hf", "--batch-size", "4",
+                   env={"EAGLE3_INJECT_OOM_ABOVE_TOKENS": str(limit), "EAGLE3_INJECT_NAN_ROWS": "5"})
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.count("verifier loaded") == 1  # never reloaded
+    assert "retrying as 2 + 2" in p.stderr
+    man = json.load(open(out / "manifest.json"))
+    too_long = {str(i) for i, r in enumerate(rows) if len(r["input_ids"]) > limit}
+    expected = too_long | {"5"}
+    assert set(man["failures"]) == expected and not man["complete"]
+    assert man["failures"]["5"] == "non-finite values" or "5" in too_long
+    for i in range(len(rows)):
+        assert (out / f"hs_{i}.safetensors").exists() == (str(i) not in expected)
+
+
+@pytest.mark.e2e
+def test_vllm_backend_matches_hf(prep, hf_out, model_path, tmp_path):
+    out = tmp_path / "hs"
+    p, _ = extract(model_path, prep, out, "--backend", "vllm")
+    assert p.returncode == 0, p.stderr[-3000:]
+    for i, r in enumerate(rows_of(prep)):
+        a, b = load_file(out / f"hs_{i}.safetensors"), load_file(hf_out / f"hs_{i}.safetensors")
+        assert a["token_ids"].tolist() == r["input_ids"]
+        ha, hb = a["hidden_states"].float(), b["hidden_states"].float()
+        assert ha.shape == hb.shape
+        rel = [((ha[:, k] - hb[:, k]).norm() / hb[:, k].norm()).item() for k in range(4)]
+        assert max(rel[:3]) < 0.02 and rel[3] < 0.05, rel
+    assert not (out / ".incoming").exists()
