@@ -106,7 +106,8 @@ def main():
         else:
             backend = backends.HFBackend(args.model_path, plan["layer_ids"], args.trust_remote_code)
         log.info(f"verifier loaded in {time.time() - t_load:.0f} s ({args.backend} backend)")
-        bar = Progress(len(rows), "extract", "samples", initial=len(done))
+        bar = Progress(len(rows), "extract", "samples", initial=len(done),
+                       total_tokens=sum(len(rows[i]) for i in todo))
         failed, tokens, secs = extraction.run(backend, rows, todo, out, args, n_states, hidden, bar)
         bar.close()
         shutil.rmtree(os.path.join(out, ".incoming"), ignore_errors=True)

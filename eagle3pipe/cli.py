@@ -27,7 +27,8 @@ CONFIG_KEYS = {
     "backend": str, "max_tokens_per_batch": int, "storage_dtype": str,
     "draft_vocab_size": int,
     "epochs": int, "lr": float, "max_steps": int, "total_seq_len": int, "num_layers": int,
-    "ttt_steps": int, "device": str, "save_every": int, "log_every": int, "warmup_steps": int,
+    "ttt_steps": int, "device": str, "checkpoint_freq": float, "log_every": int, "warmup_steps": int,
+    "val_ratio": float, "num_workers": int,
     "prompts": str, "num_prompts": int, "num_speculative_tokens": int, "max_new_tokens": int,
     "batch_sizes": list,
 }

@@ -13,8 +13,9 @@ def _fmt_eta(seconds):
 
 
 class Progress:
-    def __init__(self, total, desc, unit="samples", every=30.0, initial=0):
-        self.total, self.desc, self.unit, self.every = total, desc, unit, every
+    def __init__(self, total, desc, unit="samples", every=30.0, initial=0, total_tokens=None):
+        """`total_tokens` (when known) makes the ETA token-based: samples vary a lot in length."""
+        self.total, self.desc, self.unit, self.every, self.total_tokens = total, desc, unit, every, total_tokens
         self.n = initial
         self.tokens = 0
         self.start = self.last = time.time()
@@ -38,8 +39,10 @@ class Progress:
 
     def line(self):
         elapsed = time.time() - self.start
-        done = max(self.n, 1e-9)
-        eta = elapsed / done * (self.total - self.n) if self.n else 0
+        if self.total_tokens and self.tokens:
+            eta = (self.total_tokens - self.tokens) / self.rate()
+        else:
+            eta = elapsed / max(self.n, 1e-9) * (self.total - self.n) if self.n else 0
         pct = 100.0 * self.n / max(self.total, 1)
         log.info(f"{self.desc}: {self.n}/{self.total} {self.unit} ({pct:.1f}%) {self.rate():,.0f} tok/s "
                  f"elapsed {_fmt_eta(elapsed)} ETA {_fmt_eta(eta)}")

@@ -1,0 +1,104 @@
+"""Stage 04: train the EAGLE-3 draft with speculators into a checkpoint vLLM serves as an `eagle3` speculator.
+
+Usage:
+    python 04_train.py --config configs/smollm2-135m.yaml --epochs 3
+    python 04_train.py --model-path M --prepared-data data/prepared --hidden-states data/hidden_states \
+        --vocab-mapping data/vocab_map_32000 --output-dir data/checkpoints --epochs 10
+    torchrun --nproc-per-node 8 04_train.py --config configs/kimi-k2.5-int4.yaml [--fsdp]
+
+Inputs:  stages 01 (rows, loss masks), 02 (hidden states, layer ids), 03 (d2t/t2d); all three manifests and the
+         files are checked against each other and the verifier before anything heavy is imported.
+Outputs: --output-dir/<epoch>/ speculators checkpoints (config.json + model.safetensors), `last` and
+         `checkpoint_best` pointers, manifest.json, train.log-style dense lines on stderr. A rerun of the same
+         command resumes from the last checkpoint (mid-epoch ones with --checkpoint-freq < 1).
+On a machine without an accelerator a small compatibility layer (eagle3pipe/training.py) makes speculators'
+Trainer run on CPU (eager loss, sdpa attention).
+"""
+import os
+
+from eagle3pipe import cli, files, verifier
+
+
+def parse_args(argv=None):
+    p = cli.Parser(description="Stage 04: train the EAGLE-3 draft with speculators.")
+    p.add_argument("--model-path", help="verifier: HF model folder or hub id")
+    p.add_argument("--prepared-data", default="data/prepared", help="stage 01 folder")
+    p.add_argument("--hidden-states", default="data/hidden_states", help="stage 02 folder")
+    p.add_argument("--vocab-mapping", default="data/vocab_map_32000", help="stage 03 folder")
+    p.add_argument("--output-dir", default="data/checkpoints", help="checkpoint folder")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (speculators' default)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: speculators')")
+    p.add_argument("--total-seq-len", type=int, default=8192, help="tokens per packed training batch")
+    p.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
+    p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps (= speculative tokens)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--checkpoint-freq", type=float, default=1.0,
+                   help=">= 1: every N epochs; < 1: that fraction of an epoch (mid-epoch resume)")
+    p.add_argument("--log-every", type=int, default=10, help="a dense progress line every N steps")
+    p.add_argument("--val-ratio", type=float, default=0.05, help="rows held out for validation")
+    p.add_argument("--num-workers", type=int, default=None, help="dataloader workers (default: 0 on CPU, 4 on GPU)")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP under torchrun (default: DDP)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="delete previous checkpoints in --output-dir first")
+    args = cli.parse_args(p, "train", argv, required=["model_path"], aliases={"checkpoint_dir": "output_dir"})
+    for flag, v, lo in (("--epochs", args.epochs, 1), ("--total-seq-len", args.total_seq_len, 16),
+                        ("--num-layers", args.num_layers, 1), ("--ttt-steps", args.ttt_steps, 1),
+                        ("--log-every", args.log_every, 1)):
+        if v < lo:
+            raise cli.UsageError(f"{flag} {v}: must be at least {lo}")
+    if not 0 < args.lr < 1:
+        raise cli.UsageError(f"--lr {args.lr}: must be in (0, 1)")
+    if not 0 < args.val_ratio < 1:
+        raise cli.UsageError(f"--val-ratio {args.val_ratio}: must be in (0, 1)")
+    if args.checkpoint_freq <= 0:
+        raise cli.UsageError(f"--checkpoint-freq {args.checkpoint_freq}: must be positive")
+    return args
+
+
+def main():
+    args = parse_args()
+    log = cli.setup_logging()
+    from eagle3pipe import training
+    fp = verifier.fingerprint(args.model_path)
+    files.check_output_dir("--output-dir", args.output_dir, "train")
+    prep, ext, voc, rows, failed = training.check_inputs(args, fp)
+    if max(len(r[0]) for r in rows) > args.total_seq_len:
+        raise cli.UsageError(f"--total-seq-len {args.total_seq_len}: shorter than the longest row "
+                             f"({max(len(r[0]) for r in rows)} tokens); raise it")
+    identity = {"prepared": prep["created"], "extract": ext["created"], "vocab": voc["created"],
+                "num_layers": args.num_layers, "ttt_steps": args.ttt_steps}
+    rank = int(os.environ.get("RANK", "0"))
+    out = os.path.abspath(args.output_dir)
+    training.prepare_output(out, identity, args.overwrite, rank)
+
+    import torch
+    on_cpu = args.device == "cpu" or (args.device == "auto" and torch.accelerator.current_accelerator() is None)
+    bridge = os.path.join(out, ".bridge")
+    if rank == 0:
+        training.build_bridge(rows, bridge)
+    training.wait_for_bridge(bridge)
+    aux = ext["layer_ids"][:-1]  # the draft's inputs; the last id (n) is the verifier's last hidden state
+    cfg = training.train_config(args, bridge, aux, on_cpu)
+    log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(rows) - len(failed)} rows "
+             f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
+             f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}")
+    result = training.run(cfg, args, on_cpu)
+    if rank == 0:
+        files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
+            "train", args, identity=identity, verifier=fp, layer_ids=ext["layer_ids"], aux_layer_ids=aux,
+            layer_id_convention=verifier.LAYER_ID_CONVENTION, draft_vocab_size=voc["counts"]["draft_vocab_size"],
+            inputs={"prepared_data": os.path.abspath(args.prepared_data), "hidden_states":
+                    os.path.abspath(args.hidden_states), "vocab_mapping": os.path.abspath(args.vocab_mapping)},
+            **result))
+        last = os.path.join(out, "last")
+        log.info(f"checkpoint: {last} -> {os.path.realpath(last)}")
+        print(f"serve it: vllm serve {args.model_path} --speculative-config "
+              f"'{{\"method\": \"eagle3\", \"model\": \"{last}\", \"num_speculative_tokens\": {args.ttt_steps}}}'")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

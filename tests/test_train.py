@@ -1,0 +1,155 @@
+"""Stage 04 through its command line on real extracted hidden states: cross-stage refusals before anything
+heavy, a short CPU training run with a falling loss into speculators' checkpoint layout, resume after SIGKILL,
+and (e2e) vLLM serving the checkpoint as an eagle3 draft with greedy output unchanged."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, run_script
+from test_cli_prepare_vocab import assert_refused
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory, model_path):
+    root = tmp_path_factory.mktemp("s04")
+    d = {k: root / k for k in ("prepared", "hs", "vocab")}
+    for argv in (["01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "24", "--max-seq-len", "512",
+                  "--output-dir", str(d["prepared"])],
+                 ["02_extract_hidden_states.py", "--backend", "hf", "--model-path", model_path, "--prepared-data",
+                  str(d["prepared"]), "--output-dir", str(d["hs"]), "--max-seq-len", "512"],
+                 ["03_build_vocab_mapping.py", "--prepared-data", str(d["prepared"]), "--draft-vocab-size", "2048",
+                  "--output-dir", str(d["vocab"])]):
+        p, _ = run_script(*argv)
+        assert p.returncode == 0, p.stderr
+    return d
+
+
+def train_args(model_path, d, out, *extra):
+    return ["04_train.py", "--model-path", model_path, "--prepared-data", str(d["prepared"]), "--hidden-states",
+            str(d["hs"]), "--vocab-mapping", str(d["vocab"]), "--output-dir", str(out), "--total-seq-len", "1024",
+            "--log-every", "1", *extra]
+
+
+def losses(stderr):
+    return [float(x) for x in re.findall(r" loss ([0-9.]+) acc", stderr)]
+
+
+@pytest.fixture(scope="module")
+def trained(stages, model_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "draft"
+    p, _ = run_script(*train_args(model_path, stages, out, "--epochs", "6", "--lr", "3e-3"))
+    assert p.returncode == 0, p.stderr[-4000:]
+    return out, p
+
+
+def test_cross_stage_refusals(stages, model_path, tmp_path):
+    other = tmp_path / "prep2"
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "5", "--max-seq-len", "512",
+                      "--output-dir", str(other))
+    assert p.returncode == 0
+    bad_hs = tmp_path / "hs_bad"
+    shutil.copytree(stages["hs"], bad_hs)
+    f = bad_hs / "hs_3.safetensors"
+    f.write_bytes(f.read_bytes()[:-10])
+    bad_vocab = tmp_path / "vocab_bad"
+    shutil.copytree(stages["vocab"], bad_vocab)
+    import numpy as np
+    np.save(bad_vocab / "d2t.npy", np.zeros(100, dtype=np.int64))
+    out = tmp_path / "out"
+    cases = [
+        (["--hidden-states", str(tmp_path / "none")], ["--hidden-states", "run 02_extract_hidden_states.py first"]),
+        (["--prepared-data", str(other)], ["extracted from another stage 01 run", "rerun 02_extract_hidden_states.py"]),
+        (["--hidden-states", str(bad_hs)], ["hs_3.safetensors", "truncated", "rerun 02_extract_hidden_states.py"]),
+        (["--vocab-mapping", str(bad_vocab)], ["d2t [100]", "rerun 03_build_vocab_mapping.py"]),
+        (["--vocab-mapping", str(stages["prepared"])], ["is the output of stage 'prepare'"]),
+        (["--total-seq-len", "100"], ["--total-seq-len 100", "longest row"]),
+        (["--lr", "5"], ["--lr 5"]),
+        (["--hidden-state", "x"], ["unknown flag --hidden-state", "did you mean --hidden-states"]),
+    ]
+    for extra, needles in cases:
+        argv = train_args(model_path, stages, out)
+        p, secs = run_script(*argv, *extra)
+        assert_refused(p, secs, *needles)
+    assert not out.exists()
+
+
+def test_training_lowers_the_loss_into_a_servable_checkpoint(trained):
+    out, p = trained
+    ls = losses(p.stderr)
+    assert len(ls) >= 10, p.stderr[-2000:]
+    first, last = sum(ls[:3]) / 3, sum(ls[-3:]) / 3
+    assert last < 0.8 * first, (first, last)
+    assert re.search(r"step \d+/\d+ epoch \d+ loss [0-9.]+ acc\[[0-9. ]+\] lr [0-9.e+-]+ [0-9,]+ tok/s ETA", p.stderr)
+    last_dir = out / "last"
+    assert last_dir.is_symlink() and (last_dir / "config.json").exists()
+    cfg = json.load(open(last_dir / "config.json"))
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert cfg["draft_vocab_size"] == 2048
+    from safetensors import safe_open
+    with safe_open(last_dir / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert {"d2t", "t2d"} <= keys and any(k.startswith("fc") for k in keys)
+    man = json.load(open(out / "manifest.json"))
+    assert man["stage"] == "train" and man["layer_ids"] == [2, 15, 27, 30] and man["steps"] > 0
+    assert "serve it: vllm serve" in p.stdout
+
+
+def test_kill_during_training_then_resume(stages, model_path, tmp_path):
+    out = tmp_path / "draft"
+    argv = train_args(model_path, stages, out, "--epochs", "3", "--checkpoint-freq", "0.5")
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "last").exists():
+        time.sleep(0.2)
+    assert (out / "last").exists(), "no checkpoint appeared"
+    proc.send_signal(signal.SIGKILL)
+    err = proc.communicate()[1]
+    killed_at = max(int(s) for s in re.findall(r"step (\d+)/", err))
+    p, _ = run_script(*argv)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Resuming" in p.stderr
+    steps = [int(s) for s in re.findall(r"step (\d+)/", p.stderr)]
+    assert steps and steps[0] > 1 and steps[0] <= killed_at + 1  # continues, does not restart from step 1
+    man = json.load(open(out / "manifest.json"))
+    total = int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
+    assert man["steps"] == total
+
+
+@pytest.mark.e2e
+def test_vllm_serves_the_draft_and_greedy_output_is_unchanged(trained, model_path):
+    out, _ = trained
+    code = f"""
+import json, os, sys
+sys.path.insert(0, {REPO!r})
+from eagle3pipe.backends import cpu_vllm_env
+cpu_vllm_env()
+from vllm import LLM, SamplingParams
+prompts = [[{{"role": "user", "content": q}}] for q in ("What is the capital of France?", "Name three colors.")]
+sp = SamplingParams(max_tokens=24, temperature=0.0)
+def run(**kw):
+    llm = LLM(model={model_path!r}, max_model_len=1024, enforce_eager=True, enable_prefix_caching=False,
+              disable_log_stats=False, **kw)
+    outs = [llm.chat(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    m = {{x.name: getattr(x, "value", None) for x in llm.get_metrics()}}
+    del llm
+    return [list(o) for o in outs], m
+base, _ = run()
+spec, m = run(speculative_config={{"method": "eagle3", "model": {str(out / "last")!r}, "num_speculative_tokens": 3}},
+              )
+print("RESULT", json.dumps({{"same": base == spec, "drafts": m.get("vllm:spec_decode_num_drafts")}}))
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900)
+    line = [l for l in p.stdout.splitlines() if l.startswith("RESULT")]
+    assert line, p.stderr[-4000:]
+    res = json.loads(line[0][7:])
+    assert res["same"] is True
+    assert res["drafts"] and res["drafts"] > 0
