@@ -15,6 +15,7 @@ Selection: the first --num-samples records of the source (so records after them 
 stage 05), written in an order shuffled by --seed. Every assistant turn is trained.
 """
 import collections
+import hashlib
 import json
 import os
 import random
@@ -113,12 +114,16 @@ def main():
              "loss_tokens": int(freq.sum()), "max_row_tokens": max(len(r["input_ids"]) for r in rows),
              "max_token_id": max(max(r["input_ids"]) for r in rows), **counts}
     with files.staged_dir(args.output_dir) as out:
+        digest = hashlib.sha256()
         with open(os.path.join(out, "tokenized_data.jsonl"), "w", encoding="utf-8") as f:
             for r in rows:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+                line = json.dumps(r, separators=(",", ":")) + "\n"
+                digest.update(line.encode())
+                f.write(line)
         np.save(os.path.join(out, "token_freq.npy"), freq)
+        # content_id: later stages key their resume on what the rows are, not on when they were written
         files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
-            "prepare", args, verifier=fp, source={k: v for k, v in info.items()}, counts=stats))
+            "prepare", args, content_id=digest.hexdigest()[:16], verifier=fp, source=dict(info), counts=stats))
     log.info(f"wrote {len(rows)} rows, {tokens:,} tokens ({stats['loss_tokens']:,} trained, "
              f"{stats['loss_tokens'] / tokens:.1%}) to {args.output_dir}; skipped {sum(skipped.values())} "
              f"{dict(skipped)}; truncated {counts['truncated']}")

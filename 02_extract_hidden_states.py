@@ -57,7 +57,7 @@ def prepare_output(args, plan, log):
     """Create the folder, honour --overwrite, and refuse files from a different run (other layers/verifier)."""
     out = args.output_dir
     identity = {"verifier": {k: plan["verifier"][k] for k in verifier.IDENTITY}, "layer_ids": plan["layer_ids"],
-                "prepared": plan["prepared_manifest"]["created"], "rows": plan["rows"]}
+                "prepared": plan["prepared_manifest"]["content_id"], "rows": plan["rows"], "storage_dtype": "bfloat16"}
     run_file = os.path.join(out, files.RUN_FILE)
     if args.overwrite and os.path.isdir(out):
         for name in os.listdir(out):
@@ -114,7 +114,7 @@ def main():
     ok = len(rows) - len(failed)
     bytes_written = sum(len(rows[i]) for i in range(len(rows)) if i not in failed) * n_states * hidden * 2
     files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
-        "extract", args, identity=identity, verifier=plan["verifier"], layer_ids=plan["layer_ids"],
+        "extract", args, identity=identity, content_id=files.content_id(identity), verifier=plan["verifier"], layer_ids=plan["layer_ids"],
         layer_id_convention=verifier.LAYER_ID_CONVENTION, storage_dtype="bfloat16",
         prepared_data=os.path.abspath(plan["jsonl"]),
         counts={"rows": len(rows), "ok": ok, "failed": len(failed), "resumed": len(done), "extracted": len(todo) - len(failed),

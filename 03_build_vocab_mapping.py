@@ -54,7 +54,7 @@ def main():
         np.save(os.path.join(out, "d2t.npy"), d2t)
         np.save(os.path.join(out, "t2d.npy"), t2d)
         files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
-            "vocab", args, verifier=prep["verifier"], prepared_data=os.path.abspath(args.prepared_data),
+            "vocab", args, content_id=files.content_id([d2t.tolist(), prep["content_id"]]), verifier=prep["verifier"], prepared_data=os.path.abspath(args.prepared_data),
             counts={"verifier_vocab_size": vocab, "draft_vocab_size": args.draft_vocab_size,
                     "tokens_seen": int((freq > 0).sum()), "loss_tokens": int(freq.sum()),
                     "coverage": coverage}))

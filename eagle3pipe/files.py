@@ -146,6 +146,12 @@ def load_stage(flag, folder, stage):
     return m
 
 
+def content_id(obj):
+    """A short stable hash of a JSON-able value: what a stage's output depends on."""
+    import hashlib
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def read_json(path):
     try:
         with open(path, encoding="utf-8") as f:

@@ -56,7 +56,7 @@ def check_inputs(args, fp):
     _mismatch("--prepared-data", "--model-path", fp, "stage 01", prep["verifier"], "prepare")
     _mismatch("--hidden-states", "stage 01", prep["verifier"], "stage 02", ext["verifier"], "extract")
     _mismatch("--vocab-mapping", "stage 01", prep["verifier"], "stage 03", voc["verifier"], "vocab")
-    if ext["identity"]["prepared"] != prep["created"] or ext["counts"]["rows"] != prep["counts"]["rows"]:
+    if ext["identity"]["prepared"] != prep["content_id"] or ext["counts"]["rows"] != prep["counts"]["rows"]:
         raise UsageError(f"--hidden-states {args.hidden_states}: extracted from another stage 01 run than "
                          f"--prepared-data {args.prepared_data}; rerun {STAGE_SCRIPTS['extract']}")
     import numpy as np
@@ -119,13 +119,19 @@ class DenseLog(logging.Handler):
     """One line every N steps from speculators' metric records: step/total, loss, per-position accuracy, lr,
     tok/s, ETA. Plain text, so it reads the same in a terminal and in a nohup log."""
 
-    def __init__(self, every, total_steps=None):
+    def __init__(self, every, total_steps=None, jsonl=None):
         super().__init__()
         self.every, self.total, self.t0, self.step0, self.tokens = every, total_steps, None, None, 0
+        self.jsonl = jsonl  # every metric record, one JSON line each: stage 05 plots the training curves
 
     def emit(self, record):
         msg = record.msg
-        if not isinstance(msg, dict) or "train" not in msg:
+        if not isinstance(msg, dict) or not ("train" in msg or "val" in msg):
+            return
+        if self.jsonl:
+            with open(self.jsonl, "a", encoding="utf-8") as f:
+                f.write(json.dumps(msg, default=float) + "\n")
+        if "train" not in msg:
             return
         step = msg.get("global_step", 0) + 1
         if self.t0 is None:
@@ -242,7 +248,9 @@ def run(cfg, args, on_cpu):
         apply_cpu_compat()
     import warnings
     warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
-    dense = DenseLog(every=1, total_steps=args.max_steps)
+    logs = os.path.join(os.path.abspath(args.output_dir), "logs")
+    os.makedirs(logs, exist_ok=True)
+    dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"))
     setup = scli.setup_metric_logger
 
     def setup_metric_logger(*a, **k):

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The main job on the embedded default, from a fresh machine: SmolLM2-135M-Instruct as the verifier,
-# a few hundred ShareGPT conversations, every stage that exists, in order.
-#   bash scripts/quickstart.sh            # NUM_SAMPLES=300 by default
+# The main job on the embedded default, from a fresh machine: SmolLM2-135M-Instruct as the verifier and a few
+# hundred ShareGPT conversations through every stage, then the acceptance table.
+#   bash scripts/quickstart.sh                       # NUM_SAMPLES=300 EPOCHS=1
+#   NUM_SAMPLES=2000 EPOCHS=3 bash scripts/quickstart.sh
+# Outputs under data/ (prepared, hidden_states, vocab_map_8192, checkpoints, eval); a rerun resumes or
+# replaces each stage's own folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,6 +12,12 @@ PY=.venv/bin/python
 CFG=configs/smollm2-135m.yaml
 N=${NUM_SAMPLES:-300}
 start=$(date +%s)
-$PY 01_prepare_dataset.py --config $CFG --num-samples "$N"
-$PY 03_build_vocab_mapping.py --config $CFG
-echo "quickstart: done in $(( $(date +%s) - start )) s after setup"
+stamp() { echo "quickstart: $1 done at +$(( $(date +%s) - start )) s"; }
+$PY 01_prepare_dataset.py --config $CFG --num-samples "$N";          stamp "01 prepare"
+$PY 02_extract_hidden_states.py --config $CFG;                      stamp "02 extract"
+$PY 03_build_vocab_mapping.py --config $CFG;                         stamp "03 vocab map"
+$PY 04_train.py --config $CFG --epochs "${EPOCHS:-1}";               stamp "04 train"
+$PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "${NUM_PROMPTS:-12}" \
+    --max-new-tokens 96 --batch-sizes 1,4;                           stamp "05 evaluate"
+echo "quickstart: the draft is data/checkpoints/last; serve it with vLLM:"
+echo "  vllm serve data/models/smollm2-135m-instruct --speculative-config '{\"method\": \"eagle3\", \"model\": \"data/checkpoints/last\", \"num_speculative_tokens\": 3}'"

