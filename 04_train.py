@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--val-ratio", type=float, default=0.05, help="rows held out for validation")
     p.add_argument("--num-workers", type=int, default=None, help="dataloader workers (default: 0 on CPU, 4 on GPU)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP under torchrun (default: DDP)")
+    p.add_argument("--loss-implementation", choices=["auto", "fused", "eager"], default="auto",
+                   help="speculators' loss: auto = its Triton-fused loss on GPU, eager on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="delete previous checkpoints in --output-dir first")

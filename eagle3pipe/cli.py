@@ -29,6 +29,7 @@ CONFIG_KEYS = {
     "epochs": int, "lr": float, "max_steps": int, "total_seq_len": int, "num_layers": int,
     "ttt_steps": int, "device": str, "checkpoint_freq": float, "log_every": int, "warmup_steps": int,
     "val_ratio": float, "num_workers": int, "fsdp": bool, "draft": str,
+    "loss_implementation": str,
     "prompts": str, "num_prompts": int, "num_speculative_tokens": int, "max_new_tokens": int,
     "batch_sizes": list,
 }

@@ -238,6 +238,8 @@ def train_config(args, bridge, aux_layer_ids, on_cpu):
     }
     if on_cpu:  # no Triton driver, no flex attention: speculators' eager loss and torch's sdpa
         flat.update(draft_attn_impl="sdpa", loss_implementation="eager")
+    if args.loss_implementation != "auto":
+        flat["loss_implementation"] = args.loss_implementation
     return TrainConfig.from_flat(flat)
 
 

@@ -17,7 +17,7 @@ $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";          stamp "01 p
 $PY 02_extract_hidden_states.py --config $CFG;                      stamp "02 extract"
 $PY 03_build_vocab_mapping.py --config $CFG;                         stamp "03 vocab map"
 $PY 04_train.py --config $CFG --epochs "${EPOCHS:-1}";               stamp "04 train"
-$PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "${NUM_PROMPTS:-12}" \
-    --max-new-tokens 96 --batch-sizes 1,4;                           stamp "05 evaluate"
+$PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "${NUM_PROMPTS:-8}" \
+    --max-new-tokens 64 --batch-sizes 1,4;                           stamp "05 evaluate"
 echo "quickstart: the draft is data/checkpoints/last; serve it with vLLM:"
 echo "  vllm serve data/models/smollm2-135m-instruct --speculative-config '{\"method\": \"eagle3\", \"model\": \"data/checkpoints/last\", \"num_speculative_tokens\": 3}'"
