@@ -35,10 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the output row order")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi)")
     args = cli.parse_args(p, "prepare", argv, required=["model_path"], aliases={"prepared_data": "output_dir"})
-    if args.max_seq_len < 2:
-        raise cli.UsageError(f"--max-seq-len {args.max_seq_len}: must be at least 2")
-    if args.num_samples is not None and args.num_samples < 1:
-        raise cli.UsageError(f"--num-samples {args.num_samples}: must be at least 1")
+    cli.at_least(args, max_seq_len=2, num_samples=1)
     return args
 
 

@@ -46,11 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="delete previous checkpoints in --output-dir first")
     args = cli.parse_args(p, "train", argv, required=["model_path"], aliases={"checkpoint_dir": "output_dir"})
-    for flag, v, lo in (("--epochs", args.epochs, 1), ("--total-seq-len", args.total_seq_len, 16),
-                        ("--num-layers", args.num_layers, 1), ("--ttt-steps", args.ttt_steps, 1),
-                        ("--log-every", args.log_every, 1)):
-        if v < lo:
-            raise cli.UsageError(f"{flag} {v}: must be at least {lo}")
+    cli.at_least(args, epochs=1, total_seq_len=16, num_layers=1, ttt_steps=1, log_every=1, max_steps=1)
     if not 0 < args.lr < 1:
         raise cli.UsageError(f"--lr {args.lr}: must be in (0, 1)")
     if not 0 < args.val_ratio < 1:

@@ -34,10 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--output-dir", default="data/eval", help="stage 05 output folder")
     p.add_argument("--trust-remote-code", action="store_true")
     args = cli.parse_args(p, "evaluate", argv, required=["model_path"], aliases={"eval_dir": "output_dir"})
-    for flag, v in (("--num-prompts", args.num_prompts), ("--num-speculative-tokens", args.num_speculative_tokens),
-                    ("--max-new-tokens", args.max_new_tokens), ("--tp-size", args.tp_size)):
-        if v < 1:
-            raise cli.UsageError(f"{flag} {v}: must be at least 1")
+    cli.at_least(args, num_prompts=1, num_speculative_tokens=1, max_new_tokens=1, tp_size=1)
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         raise cli.UsageError(f"--batch-sizes {args.batch_sizes}: give positive sizes, e.g. 1,8")
     return args

@@ -95,6 +95,14 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def at_least(args, **minimums):
+    """Refuse any of the named flags below its minimum: at_least(args, epochs=1, max_seq_len=2)."""
+    for dest, lo in minimums.items():
+        v = getattr(args, dest)
+        if v is not None and v < lo:
+            raise UsageError(f"--{dest.replace('_', '-')} {v}: must be at least {lo}")
+
+
 def int_list(text):
     """`2,15,27` or `2 15 27` -> [2, 15, 27]."""
     try:

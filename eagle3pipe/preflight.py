@@ -142,10 +142,8 @@ def plan(args):
     """Every check that needs no model load; returns the plan --dry-run prints."""
     from . import verifier
     from .files import check_output_dir, read_manifest
-    for flag, v, lo in (("--batch-size", args.batch_size, 1), ("--tp-size", args.tp_size, 1),
-                        ("--max-seq-len", args.max_seq_len, 2)):
-        if v < lo:
-            raise UsageError(f"{flag} {v}: must be at least {lo}")
+    from .cli import at_least
+    at_least(args, batch_size=1, tp_size=1, max_seq_len=2)
     if args.max_tokens_per_batch is not None and args.max_tokens_per_batch < args.max_seq_len:
         raise UsageError(f"--max-tokens-per-batch {args.max_tokens_per_batch}: must be at least --max-seq-len "
                          f"({args.max_seq_len}) so the longest sample fits")
@@ -187,6 +185,9 @@ def plan(args):
     if args.batch_size > rows:
         log_warn = (f"--batch-size {args.batch_size} is larger than the {rows} prepared samples: it is the number "
                     f"of samples per forward step, not the number of samples to extract (all are extracted)")
+    elif args.backend == "hf" and args.tp_size > 1:
+        log_warn = (f"--tp-size {args.tp_size} is ignored by the hf backend: it spreads the layers over all "
+                    f"visible GPUs (device_map=auto); choose them with CUDA_VISIBLE_DEVICES")
     else:
         log_warn = None
     check_output_dir("--output-dir", args.output_dir, "extract")
@@ -198,7 +199,7 @@ def plan(args):
         raise UsageError(f"--output-dir {args.output_dir}: needs about {disk_need / 1e9:.2f} GB, "
                          f"{free / 1e9:.2f} GB free")
     weights = weights_bytes(args.model_path)
-    note = f" ({log_warn.split(': ', 1)[1]})" if log_warn else ""
+    note = f" ({log_warn.split(': ', 1)[1]})" if log_warn and args.batch_size > rows else ""
     avail, per_tok, worst = check_memory(args, tc, n_states, weights, gpus, rows, counts["max_row_tokens"], note)
     batches = -(-rows // args.batch_size)
     return {

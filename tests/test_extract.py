@@ -212,3 +212,31 @@ def test_vllm_backend_matches_hf(prep, hf_out, model_path, tmp_path):
         rel = [((ha[:, k] - hb[:, k]).norm() / hb[:, k].norm()).item() for k in range(4)]
         assert max(rel[:3]) < 0.02 and rel[3] < 0.05, rel
     assert not (out / ".incoming").exists()
+
+
+def test_extract_sh_preflight_then_nohup(prep, model_path, tmp_path):
+    out = tmp_path / "hs"
+    base = ["bash", "scripts/extract.sh", "--model-path", model_path, "--prepared-data", str(prep),
+            "--output-dir", str(out), "--max-seq-len", "256"]
+    # a bad flag stops in the foreground preflight: nothing started, nothing written
+    p = subprocess.run(base + ["--backend", "hf", "--batch-size", "0"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "error: --batch-size 0" in p.stderr and not out.exists()
+    # the launcher's default TP 8 (vLLM) is refused on a machine without GPUs, before anything starts
+    p = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--tp-size 8" in p.stderr and not out.exists()
+    p = subprocess.run(base + ["--backend", "hf", "--tp-size", "1"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert f"tail -f {out}/extract.log" in p.stdout and "plan:" in p.stdout
+    pid = int((out / "extract.pid").read_text())
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    log = (out / "extract.log").read_text()
+    assert "done:" in log and (out / "manifest.json").exists(), log[-2000:]
+    assert json.load(open(out / "manifest.json"))["complete"]
