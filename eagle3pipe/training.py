@@ -49,7 +49,7 @@ def header_ok(path, n_tokens, n_states, hidden):
 
 
 def check_inputs(args, fp):
-    """All cross-stage checks, before torch: returns (prep, extract, vocab manifests, row lengths)."""
+    """All cross-stage checks, before torch: -> (prep, extract, vocab manifests, rows [(ids, mask)], failed rows)."""
     prep = load_stage("--prepared-data", args.prepared_data, "prepare")
     ext = load_stage("--hidden-states", args.hidden_states, "extract")
     voc = load_stage("--vocab-mapping", args.vocab_mapping, "vocab")
