@@ -54,11 +54,21 @@ def read_rows(jsonl, expected):
 
 
 def prepare_output(args, plan, log):
-    """Create the folder, honour --overwrite, and refuse files from a different run (other layers/verifier)."""
+    """Refuse files from a different run (other layers/verifier/rows); then, unless --dry-run, create the
+    folder and honour --overwrite."""
     out = args.output_dir
     identity = {"verifier": {k: plan["verifier"][k] for k in verifier.IDENTITY}, "layer_ids": plan["layer_ids"],
                 "prepared": plan["prepared_manifest"]["content_id"], "rows": plan["rows"], "storage_dtype": "bfloat16"}
     run_file = os.path.join(out, files.RUN_FILE)
+    if not args.overwrite and os.path.isdir(out):
+        old = files.read_manifest(out) or (files.read_json(run_file) if os.path.exists(run_file) else None)
+        old = old.get("identity", old) if old else None
+        if old and old != identity:
+            what = next(k for k in identity if old.get(k) != identity[k])
+            raise cli.UsageError(f"--output-dir {out}: holds hidden states of another run ({what} differs); "
+                                 f"use --overwrite or another folder")
+    if args.dry_run:
+        return identity
     if args.overwrite and os.path.isdir(out):
         for name in os.listdir(out):
             if name.startswith(("hs_", ".hs_", ".run.json", ".incoming", files.MANIFEST)):
@@ -66,12 +76,6 @@ def prepare_output(args, plan, log):
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         log.info(f"--overwrite: removed this stage's files from {out}")
     os.makedirs(out, exist_ok=True)
-    old = files.read_manifest(out) or (files.read_json(run_file) if os.path.exists(run_file) else None)
-    old = old.get("identity", old) if old else None
-    if old and old != identity:
-        what = next(k for k in identity if old.get(k) != identity[k])
-        raise cli.UsageError(f"--output-dir {out}: holds hidden states of another run ({what} differs); "
-                             f"use --overwrite or another folder")
     files.write_json(run_file, {"stage": "extract", "identity": identity})
     return identity
 
@@ -83,10 +87,10 @@ def main():
     if plan["warning"]:
         log.warning(plan["warning"])
     print(preflight.format_plan(plan), flush=True)
+    identity = prepare_output(args, plan, log)  # refuses another run's folder, --dry-run included
     if args.dry_run:
         print("dry run: all checks passed; nothing loaded, nothing written")
         return 0
-    identity = prepare_output(args, plan, log)
     rows = read_rows(plan["jsonl"], plan["rows"])
 
     from eagle3pipe import backends, extraction

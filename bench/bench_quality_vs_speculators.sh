@@ -52,7 +52,7 @@ for who, times in (("ours", f"{w}/ours/times.txt"), ("speculators", f"{w}/spec/t
                 "per_position_b8": rep["speculative"]["8"]["per_position"],
                 "acceptance_length_b1": rep["speculative"]["1"]["acceptance_length"],
                 "speedup": rep["speedup"],
-                "times_s": dict(l.split("\t") for l in open(times).read().split("\n") if l.strip())}
+                "times_s": dict(l.split("\t")[:2] for l in open(times).read().split("\n") if l.strip() and not l.startswith("#"))}
 json.dump(out, open(f"{w}/summary.json", "w"), indent=2)
 print("SUMMARY " + json.dumps(out))
 EOF

@@ -150,8 +150,9 @@ def test_rerun_resumes_and_overwrite(hf_out, prep, model_path):
     n = len(rows_of(prep))
     assert f"{n} of {n} samples already extracted" in p.stderr
     assert before == {n: os.path.getmtime(hf_out / n) for n in before}
-    p, secs = extract(model_path, prep, hf_out, "--backend", "hf", "--layer-ids", "3,15,27")
-    assert_refused(p, secs, "holds hidden states of another run", "--overwrite")
+    for extra in ([], ["--dry-run"]):  # the dry run catches it too, before any model would load
+        p, secs = extract(model_path, prep, hf_out, "--backend", "hf", "--layer-ids", "3,15,27", *extra)
+        assert_refused(p, secs, "holds hidden states of another run", "layer_ids", "--overwrite")
 
 
 def test_kill_mid_run_then_resume(prep, model_path, tmp_path):
