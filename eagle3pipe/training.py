@@ -14,7 +14,7 @@ import time
 
 from .cli import UsageError
 from .files import STAGE_SCRIPTS, load_stage
-from .verifier import IDENTITY, same_verifier
+from .verifier import same_verifier
 
 log = logging.getLogger("eagle3")
 
