@@ -14,6 +14,7 @@ Outputs: --output-dir/<epoch>/ speculators checkpoints (config.json + model.safe
 On a machine without an accelerator a small compatibility layer (eagle3pipe/training.py) makes speculators'
 Trainer run on CPU (eager loss, sdpa attention).
 """
+import json
 import os
 
 from eagle3pipe import cli, files, verifier
@@ -38,7 +39,7 @@ def parse_args(argv=None):
                    help=">= 1: every N epochs; < 1: that fraction of an epoch (mid-epoch resume)")
     p.add_argument("--log-every", type=int, default=10, help="a dense progress line every N steps")
     p.add_argument("--val-ratio", type=float, default=0.05, help="rows held out for validation")
-    p.add_argument("--num-workers", type=int, default=None, help="dataloader workers (default: 0 on CPU, 4 on GPU)")
+    p.add_argument("--num-workers", type=int, default=None, help="dataloader workers (default: 0 on CPU; on GPU up to 12 per rank, cores allowing)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP under torchrun (default: DDP)")
     p.add_argument("--loss-implementation", choices=["auto", "fused", "eager"], default="auto",
                    help="speculators' loss: auto = its Triton-fused loss on GPU, eager on CPU")
@@ -79,7 +80,7 @@ def main():
         training.build_bridge(rows, bridge)
     training.wait_for_bridge(bridge)
     aux = ext["layer_ids"][:-1]  # the draft's inputs; the last id (n) is the verifier's last hidden state
-    cfg = training.train_config(args, bridge, aux, on_cpu)
+    cfg = training.train_config(args, bridge, aux, on_cpu, storage=ext.get("storage_dtype", "bf16"))
     log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(rows) - len(failed)} rows "
              f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
              f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}")
@@ -90,7 +91,7 @@ def main():
             layer_id_convention=verifier.LAYER_ID_CONVENTION, draft_vocab_size=voc["counts"]["draft_vocab_size"],
             inputs={"prepared_data": os.path.abspath(args.prepared_data), "hidden_states":
                     os.path.abspath(args.hidden_states), "vocab_mapping": os.path.abspath(args.vocab_mapping)},
-            **result))
+            speculators_config=json.loads(json.dumps(cfg.flatten(), default=str)), **result))
         last = os.path.join(out, "last")
         log.info(f"checkpoint: {last} -> {os.path.realpath(last)}")
         print(f"serve it: vllm serve {args.model_path} --speculative-config "

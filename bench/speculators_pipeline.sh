@@ -6,7 +6,7 @@
 #                                      [more `speculators train` flags, e.g. --max-steps 50; they override ours]
 # Env: MODEL (default: the embedded SmolLM2-135M-Instruct), PORT (18080), CONCURRENCY (4: vLLM batch and requests
 # in flight), TOTAL_SEQ_LEN (4096: tokens per packed training step), MAX_SAMPLES (unset: all; counts prepared rows,
-# i.e. assistant turns, not conversations). Writes <WORK_DIR>/times.txt (seconds per stage) and stats.txt.
+# i.e. assistant turns, not conversations), STOP_AFTER_EXTRACT (set: stop after generate-offline-data). Writes <WORK_DIR>/times.txt (seconds per stage) and stats.txt.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -107,9 +107,11 @@ print(f"rows\t{len(d)}\ntokens\t{sum(d['seq_len'])}\nloss_tokens\t{sum(map(sum, 
 print(f"hs_files\t{len(hs)}\nhs_GiB\t{sum(map(os.path.getsize, hs)) / 2**30:.2f}")
 EOF
 
+[ -z "${STOP_AFTER_EXTRACT:-}" ] || exit 0   # bench_extract_cpu.py compares extraction only
+
 # 4. speculators' own train (TrainConfig.resolve + speculators.train.cli.main) with only our CPU patches. Vocab:
 # no d2t/t2d given, so it builds them from <PREP>/token_freq.pt and caches <PREP>/{d2t,t2d}-<K>.npy.
-timed train "$PY" "$REPO/bench/speculators_train_cpu.py" \
+timed train "$PY" "$REPO/bench/speculators_train.py" \
     --speculator-type eagle3 --verifier-name-or-path "$MODEL" --target-layer-ids $AUX --num-layers 1 \
     --data-path "$PREP" --hidden-states-path "$PREP/hidden_states" --draft-vocab-size "$VOCAB" \
     --total-seq-len "$TOTAL" --epochs "$EPOCHS" --lr "$LR" --num-workers 0 --on-missing skip \

@@ -111,6 +111,14 @@ def int_list(text):
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
 
 
+def shard(text):
+    """`I/N` -> (I, N) with 0 <= I < N: replica I of N takes the rows whose index % N == I."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N (e.g. 0/2, 1/2), got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
 def load_config(path, section):
     """The flat keys of a YAML config plus the keys of `section`, validated against CONFIG_KEYS."""
     import yaml

@@ -1,49 +1,154 @@
 """Hidden-state files: `hs_{i}.safetensors` per row i of tokenized_data.jsonl.
 
-    hidden_states  [T, L+1, H] bf16   the auxiliary layer ids in order, then id n (last layer, pre-norm)
-    token_ids      [T] int64          equal to the row's input_ids
+    hidden_states         [T, L+1, H] bf16   the auxiliary layer ids in order, then id n (last layer, pre-norm)
+                          (or float8_e4m3fn with --storage-dtype fp8, see below)
+    hidden_states_scales  [T, 1, 1] fp32     fp8 only: per-token scale, value = fp8 * scale
+    token_ids             [T] int64          equal to the row's input_ids
+    __metadata__          {"crc32": ...}     CRC-32 of the data section (everything after the header)
 
-This is what vLLM's ExampleHiddenStatesConnector writes and what speculators' trainer reads. Position t holds
-the states computed *at* token t (the verifier has seen tokens 0..t); the trainer does the shift that pairs
-them with token t+1.
+bf16 files are what vLLM's ExampleHiddenStatesConnector writes and what speculators' trainer reads; fp8 files are
+what speculators' `fp8` hidden-states backend (hs_connectors.FP8Transfer) dequantizes. The CRC lets a resume or a
+training run tell a bit-flipped file from a good one; readers that do not know it ignore it.
+
+Position t holds the states computed *at* token t (the verifier has seen tokens 0..t); the trainer does the shift
+that pairs them with token t+1.
 """
+import json
 import os
+import struct
+import zlib
 
 HS_NAME = "hs_{}.safetensors"
+SCALES = "hidden_states_scales"
+STORAGE_DTYPES = ("bf16", "fp8")
+BYTES_PER_VALUE = {"bf16": 2, "fp8": 1}
+_ST_DTYPES = {"torch.bfloat16": "BF16", "torch.float8_e4m3fn": "F8_E4M3", "torch.float32": "F32",
+              "torch.int64": "I64", "torch.float16": "F16"}
 
 
 def hs_path(folder, i):
     return os.path.join(folder, HS_NAME.format(i))
 
 
-def check_file(path, token_ids, n_states, hidden):
-    """None when the file is complete and right for this row, else the reason it is not."""
+def bytes_per_token(n_states, hidden, storage="bf16"):
+    return n_states * hidden * BYTES_PER_VALUE[storage] + 8 + (4 if storage == "fp8" else 0)
+
+
+def quantize_fp8(states):
+    """[T, L+1, H] float -> (fp8 [T, L+1, H], scale [T, 1, 1] fp32): one scale per token over all its layers,
+    amax mapped to e4m3's largest value (448). Runs wherever `states` lives (on the GPU before the host copy)."""
     import torch
-    from safetensors import safe_open
+    x = states.float()
+    scale = (x.abs().amax(dim=(1, 2), keepdim=True) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    return (x / scale).to(torch.float8_e4m3fn), scale
+
+
+def dequantize(tensors):
+    """{hidden_states, [hidden_states_scales]} -> bf16 hidden_states [T, L+1, H]."""
+    import torch
+    hs = tensors["hidden_states"]
+    if SCALES in tensors:
+        return (hs.float() * tensors[SCALES].float()).to(torch.bfloat16)
+    return hs
+
+
+def save(path, tensors):
+    """Write {name: contiguous CPU tensor} as safetensors with a CRC-32 of the data, atomically (a temporary name
+    in the same folder, renamed when complete). The tensors' memory is written as is: no intermediate copy, and
+    the GIL is released during the writes, so several writer threads overlap."""
+    import torch
+    from .files import atomic_path
+    header, views, offset, crc = {}, [], 0, 0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        mv = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        header[name] = {"dtype": _ST_DTYPES[str(t.dtype)], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(mv)]}
+        offset += len(mv)
+        crc = zlib.crc32(mv, crc)
+        views.append(mv)
+    header["__metadata__"] = {"format": "pt", "crc32": f"{crc:08x}"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for mv in views:
+                f.write(mv)
+
+
+def read_header(path):
+    """-> (header dict, data offset, file size); raises ValueError/OSError on a truncated or foreign file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(size - 8, 100_000_000):
+            raise ValueError("truncated or not safetensors (header length beyond the file)")
+        header = json.loads(f.read(n))
+    return header, 8 + n, size
+
+
+def check_header(path, n_tokens, n_states, hidden):
+    """Cheap check (no data read): header parses, shapes match the row, the size adds up. None or the reason."""
     try:
-        with safe_open(path, "pt") as f:
-            keys = set(f.keys())
-            if not {"hidden_states", "token_ids"} <= keys:
-                return f"missing tensors (has {sorted(keys)})"
-            hs = f.get_tensor("hidden_states")
-            tid = f.get_tensor("token_ids")
+        header, start, size = read_header(path)
     except FileNotFoundError:
         return "missing"
-    except Exception as e:  # truncated, foreign, corrupt header
+    except (OSError, ValueError, UnicodeDecodeError) as e:
         return f"unreadable ({type(e).__name__}: {str(e)[:80]})"
-    t = len(token_ids)
-    if tuple(hs.shape) != (t, n_states, hidden):
-        return f"hidden_states shape {list(hs.shape)}, expected {[t, n_states, hidden]}"
-    if tid.shape != (t,) or not torch.equal(tid.to(torch.int64), torch.as_tensor(token_ids, dtype=torch.int64)):
-        return "token_ids differ from the prepared row"
-    if not torch.isfinite(hs.float() if hs.dtype != torch.float32 else hs).all():
-        return "non-finite values"
+    hs, tid = header.get("hidden_states"), header.get("token_ids")
+    if not isinstance(hs, dict) or not isinstance(tid, dict):
+        return f"missing tensors (has {sorted(k for k in header if k != '__metadata__')})"
+    if hs.get("shape") != [n_tokens, n_states, hidden] or tid.get("shape") != [n_tokens]:
+        return f"hidden_states shape {hs.get('shape')}, expected {[n_tokens, n_states, hidden]}"
+    if hs.get("dtype") == "F8_E4M3" and not isinstance(header.get(SCALES), dict):
+        return f"fp8 hidden_states without {SCALES}"
+    end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    if start + end != size:
+        return f"size {size} B, header says {start + end} B (truncated or padded)"
     return None
 
 
-def save(path, hidden_states, token_ids):
-    """Atomic write: a temporary name in the same folder, renamed when complete."""
-    from safetensors.torch import save_file
-    from .files import atomic_path
-    with atomic_path(path) as tmp:
-        save_file({"hidden_states": hidden_states.contiguous(), "token_ids": token_ids.contiguous()}, tmp)
+def verify_crc(path):
+    """None when the data section matches the header's CRC-32 (or the file carries none), else the reason."""
+    header, start, _ = read_header(path)
+    want = (header.get("__metadata__") or {}).get("crc32")
+    if want is None:
+        return None
+    crc = 0
+    with open(path, "rb") as f:
+        f.seek(start)
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return None if f"{crc:08x}" == want else f"checksum mismatch (crc32 {crc:08x}, header says {want}): corrupt data"
+
+
+def check_file(path, token_ids, n_states, hidden):
+    """Full check: header, checksum, token ids, finite values. None when the file is right for this row."""
+    return load_checked(path, token_ids, n_states, hidden)[0]
+
+
+def load_checked(path, token_ids, n_states, hidden):
+    """-> (None, {name: tensor}) when the file is right for this row, else (the reason, None)."""
+    reason = check_header(path, len(token_ids), n_states, hidden)
+    if reason:
+        return reason, None
+    import torch
+    from safetensors import safe_open
+    try:
+        reason = verify_crc(path)
+        if reason:
+            return reason, None
+        with safe_open(path, "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # corrupt in a way the header check missed
+        return f"unreadable ({type(e).__name__}: {str(e)[:80]})", None
+    if not torch.equal(tensors["token_ids"].to(torch.int64), torch.as_tensor(token_ids, dtype=torch.int64)):
+        return "token_ids differ from the prepared row", None
+    # fp8 states are finite iff their per-token scales are (amax propagates NaN and inf)
+    if not torch.isfinite(tensors[SCALES] if SCALES in tensors else tensors["hidden_states"]).all():
+        return "non-finite values", None
+    return None, tensors

@@ -192,7 +192,9 @@ def plan(args):
         log_warn = None
     check_output_dir("--output-dir", args.output_dir, "extract")
     n_states = len(layer_ids)
-    disk_need = counts["tokens"] * n_states * fp["hidden_size"] * 2
+    from .hidden_states import bytes_per_token
+    disk_per_token = bytes_per_token(n_states, fp["hidden_size"], args.storage_dtype)
+    disk_need = counts["tokens"] * disk_per_token
     existing = read_manifest(args.output_dir) if os.path.isdir(args.output_dir) else None
     free = free_disk(args.output_dir)
     if disk_need > free and not existing:
@@ -205,7 +207,7 @@ def plan(args):
     return {
         "jsonl": jsonl, "prepared_manifest": prep, "verifier": fp, "layer_ids": layer_ids, "n_states": n_states,
         "hidden_size": fp["hidden_size"], "rows": rows, "tokens": counts["tokens"], "batches_at_most": batches,
-        "disk_bytes": disk_need, "disk_free_bytes": free, "weights_bytes": weights, "bytes_per_token": per_tok,
+        "disk_bytes": disk_need, "disk_per_token": disk_per_token, "disk_free_bytes": free, "weights_bytes": weights, "bytes_per_token": per_tok,
         "worst_batch_tokens": worst, "memory_available_bytes": avail,
         "device": f"{len(gpus)} GPU(s): {gpus[0][0]}" if gpus else "CPU", "warning": log_warn,
     }
@@ -216,7 +218,7 @@ def format_plan(p):
     return "\n".join([
         f"plan: {p['rows']:,} samples, {p['tokens']:,} tokens, up to {p['batches_at_most']:,} batches",
         f"  layer ids: {p['layer_ids']} (auxiliary, then id {p['layer_ids'][-1]} = last layer before the final norm)",
-        f"  disk: {p['disk_bytes'] / 1e9:.2f} GB to write ({p['n_states'] * p['hidden_size'] * 2:,} B/token), "
+        f"  disk: {p['disk_bytes'] / 1e9:.2f} GB to write ({p['disk_per_token']:,} B/token), "
         f"{p['disk_free_bytes'] / 1e9:.1f} GB free",
         f"  memory: weights {(p['weights_bytes'] or 0) / gib:.2f} GiB; worst batch {p['worst_batch_tokens']:,} tokens x "
         f"~{p['bytes_per_token']:,} B = {p['worst_batch_tokens'] * p['bytes_per_token'] / gib:.2f} GiB of "

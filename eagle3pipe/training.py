@@ -9,11 +9,11 @@ stages into it without copying hidden states: stage 01's JSONL becomes the small
 import json
 import logging
 import os
-import struct
 import time
 
 from .cli import UsageError
 from .files import STAGE_SCRIPTS, load_stage
+from .hidden_states import check_header, hs_path
 from .verifier import same_verifier
 
 log = logging.getLogger("eagle3")
@@ -24,28 +24,6 @@ def _mismatch(what, a_name, a, b_name, b, rerun):
     if diff:
         raise UsageError(f"{what}: {a_name} and {b_name} come from different verifiers ({diff}: {a.get(diff)} vs "
                          f"{b.get(diff)}); rerun {STAGE_SCRIPTS[rerun]}")
-
-
-def header_ok(path, n_tokens, n_states, hidden):
-    """Cheap integrity check of a safetensors file: header parses, shapes match the row, size adds up."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            if n > size - 8:
-                return "truncated header"
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
-        return f"unreadable ({type(e).__name__})"
-    hs, tid = header.get("hidden_states"), header.get("token_ids")
-    if not hs or not tid:
-        return "missing tensors"
-    if hs["shape"] != [n_tokens, n_states, hidden] or tid["shape"] != [n_tokens]:
-        return f"shape {hs['shape']} does not match the prepared row ({n_tokens} tokens)"
-    end = max(hs["data_offsets"][1], tid["data_offsets"][1])
-    if 8 + n + end != size:
-        return f"size {size} B, header says {8 + n + end} B (truncated or padded)"
-    return None
 
 
 def check_inputs(args, fp):
@@ -81,7 +59,7 @@ def check_inputs(args, fp):
     for i, (ids, _) in enumerate(rows):
         if i in failed:
             continue
-        reason = header_ok(os.path.join(args.hidden_states, f"hs_{i}.safetensors"), len(ids), n_states, hidden)
+        reason = check_header(hs_path(args.hidden_states, i), len(ids), n_states, hidden)
         if reason:
             bad.append((i, reason))
     if bad:
@@ -184,6 +162,14 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
                 return  # speculators would run one more step per remaining epoch
             return super().train_epoch(epoch, **kw)
 
+        def run_training(self):
+            # speculators 0.9 keeps looping over the remaining epochs after --max-steps, each one saving a
+            # checkpoint and validating; stop at the epoch in which the last step falls
+            if max_steps:
+                need = -(-max_steps // max(1, len(self.train_loader)))
+                self.config = self.config._replace(num_epochs=min(self.config.num_epochs, need))
+            return super().run_training()
+
         def maybe_save_checkpoint(self, epoch, local_step=0):
             super().maybe_save_checkpoint(epoch, local_step)
             path = self.checkpointer.path / str(epoch)
@@ -220,15 +206,19 @@ def prepare_output(out, identity, overwrite, rank):
     write_json(run_file, {"stage": "train", "identity": identity})
 
 
-def train_config(args, bridge, aux_layer_ids, on_cpu):
+def train_config(args, bridge, aux_layer_ids, on_cpu, storage="bf16"):
     from speculators.train.config import TrainConfig
-    workers = args.num_workers if args.num_workers is not None else (0 if on_cpu else 4)
+    # GPU: up to 12 workers per rank (speculators' default) but no more than the cores each rank has: reading
+    # per-sample files is most of a step's input cost. CPU: none, the training step already uses every core.
+    per_rank = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    workers = args.num_workers if args.num_workers is not None else (0 if on_cpu else max(1, min(12, per_rank - 1)))
     flat = {
         "speculator_type": "eagle3", "verifier_name_or_path": args.model_path,
         "trust_remote_code": args.trust_remote_code, "num_layers": args.num_layers, "ttt_steps": args.ttt_steps,
         "target_layer_ids": aux_layer_ids,
         "d2t_path": os.path.join(args.vocab_mapping, "d2t.npy"), "t2d_path": os.path.join(args.vocab_mapping, "t2d.npy"),
         "draft_vocab_size": None, "data_path": bridge, "hidden_states_path": os.path.abspath(args.hidden_states),
+        "hidden_states_backend": "fp8" if storage == "fp8" else "file",  # FP8Transfer dequantizes on load
         "on_missing": "skip", "total_seq_len": args.total_seq_len, "train_data_ratio": 1 - args.val_ratio,
         "num_workers": workers, "prefetch_factor": 4, "epochs": args.epochs, "lr": args.lr,
         "max_steps": args.max_steps, "scheduler_warmup_steps": args.warmup_steps,
