@@ -13,12 +13,15 @@ Outputs: --output-dir/tokenized_data.jsonl  one {"id", "input_ids", "loss_mask"}
          --output-dir/manifest.json         arguments, verifier fingerprint, counts, versions, command
 Selection: the first --num-samples records of the source (so records after them stay held out for
 stage 05), written in an order shuffled by --seed. Every assistant turn is trained.
+--regenerate: the verifier first rewrites every assistant turn through vLLM (eagle3pipe/regenerate.py), resumably;
+         its answers also land in --output-dir/regenerated.jsonl.
 """
 import collections
 import hashlib
 import json
 import os
 import random
+import shutil
 
 from eagle3pipe import cli, conversations, files, verifier
 
@@ -34,8 +37,17 @@ def parse_args(argv=None):
     p.add_argument("--num-samples", type=int, default=None, help="use the first N records (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the output row order")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi)")
+    p.add_argument("--regenerate", action="store_true",
+                   help="the verifier (vLLM) rewrites every assistant turn first: on-policy data")
+    p.add_argument("--regen-temperature", type=float, default=0.0, help="sampling temperature of --regenerate")
+    p.add_argument("--regen-max-tokens", type=int, default=1024, help="longest regenerated turn, in tokens")
+    p.add_argument("--regen-batch-size", type=int, default=64,
+                   help="prompts per vLLM call; answers are saved after each call (what a killed run keeps)")
+    p.add_argument("--regen-tp-size", type=int, default=1, help="tensor-parallel GPUs for --regenerate")
     args = cli.parse_args(p, "prepare", argv, required=["model_path"], aliases={"prepared_data": "output_dir"})
-    cli.at_least(args, max_seq_len=2, num_samples=1)
+    cli.at_least(args, max_seq_len=2, num_samples=1, regen_max_tokens=1, regen_batch_size=1, regen_tp_size=1)
+    if args.regen_temperature < 0:
+        raise cli.UsageError(f"--regen-temperature {args.regen_temperature}: must be >= 0")
     return args
 
 
@@ -74,6 +86,13 @@ def main():
     from eagle3pipe import masks
     from eagle3pipe.progress import Progress
     tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
+    regen = None
+    if args.regenerate:
+        from eagle3pipe import regenerate
+        records, counts_regen = regenerate.run(records, tok, args)
+        regen = {"settings": regenerate._settings(args), **counts_regen}
+        log.info(f"regenerated {counts_regen['turns_regenerated']:,} assistant turns "
+                 f"({counts_regen['turns_from_cache']:,} from an earlier run)")
     vocab = fp["vocab_size"]
     counts = collections.Counter()
     freq = np.zeros(vocab, dtype=np.int64)
@@ -118,9 +137,14 @@ def main():
                 digest.update(line.encode())
                 f.write(line)
         np.save(os.path.join(out, "token_freq.npy"), freq)
+        if regen:  # the verifier's answers, for inspection and for a rerun's cache
+            shutil.copy(regenerate.cache_path(args.output_dir), os.path.join(out, "regenerated.jsonl"))
         # content_id: later stages key their resume on what the rows are, not on when they were written
         files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
-            "prepare", args, content_id=digest.hexdigest()[:16], verifier=fp, source=dict(info), counts=stats))
+            "prepare", args, content_id=digest.hexdigest()[:16], verifier=fp, source=dict(info), counts=stats,
+            regenerated=regen))
+    if regen:
+        os.remove(regenerate.cache_path(args.output_dir))
     log.info(f"wrote {len(rows)} rows, {tokens:,} tokens ({stats['loss_tokens']:,} trained, "
              f"{stats['loss_tokens'] / tokens:.1%}) to {args.output_dir}; skipped {sum(skipped.values())} "
              f"{dict(skipped)}; truncated {counts['truncated']}")

@@ -18,9 +18,9 @@ import os
 import shutil
 import time
 
-from eagle3pipe import cli, files, preflight, verifier
+from eagle3pipe import cli, faults, preflight
+from eagle3pipe.extract_output import finish, prepare_output, read_rows
 
-SHARD_REPORT = ".shard-{}-of-{}.json"  # one per replica, written when it finishes
 
 
 def parse_args(argv=None):
@@ -54,95 +54,6 @@ def parse_args(argv=None):
     return args
 
 
-def read_rows(jsonl, expected):
-    import json
-    rows = []
-    with open(jsonl, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            try:
-                rows.append(json.loads(line)["input_ids"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise cli.UsageError(f"{jsonl}:{lineno}: malformed row ({e}); rerun 01_prepare_dataset.py")
-    if len(rows) != expected:
-        raise cli.UsageError(f"{jsonl}: {len(rows)} rows, its manifest says {expected}; rerun 01_prepare_dataset.py")
-    return rows
-
-
-def prepare_output(args, plan, log):
-    """Refuse files from a different run (other layers/verifier/rows); then, unless --dry-run, create the
-    folder and honour --overwrite."""
-    out = args.output_dir
-    identity = {"verifier": {k: plan["verifier"][k] for k in verifier.IDENTITY}, "layer_ids": plan["layer_ids"],
-                "prepared": plan["prepared_manifest"]["content_id"], "rows": plan["rows"], "storage_dtype": args.storage_dtype}
-    run_file = os.path.join(out, files.RUN_FILE)
-    if not args.overwrite and os.path.isdir(out):
-        old = files.read_manifest(out) or (files.read_json(run_file) if os.path.exists(run_file) else None)
-        old = old.get("identity", old) if old else None
-        if old and old != identity:
-            what = next(k for k in identity if old.get(k) != identity[k])
-            raise cli.UsageError(f"--output-dir {out}: holds hidden states of another run ({what} differs); "
-                                 f"use --overwrite or another folder")
-    if args.dry_run:
-        return identity
-    if args.overwrite and os.path.isdir(out):
-        for name in os.listdir(out):
-            if name.startswith(("hs_", ".hs_", ".run.json", ".incoming", ".shard-", files.MANIFEST)):
-                path = os.path.join(out, name)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        log.info(f"--overwrite: removed this stage's files from {out}")
-    os.makedirs(out, exist_ok=True)
-    files.write_json(run_file, {"stage": "extract", "identity": identity})
-    return identity
-
-
-def finish(args, plan, identity, rows, failed, stats, log):
-    """Write manifest.json once every row is accounted for. A shard first writes its own report; the replica that
-    completes the set (or `--verify`) checks every file of every shard and writes the folder's manifest."""
-    from eagle3pipe import extraction
-    out, (n_states, hidden) = args.output_dir, (plan["n_states"], plan["hidden_size"])
-    if args.shard and not args.verify:
-        i, n = args.shard
-        files.write_json(os.path.join(out, SHARD_REPORT.format(i, n)), {"shard": [i, n], "identity": identity, **stats,
-                                                                         "failures": {str(k): v for k, v in failed.items()}})
-    if args.shard or args.verify:
-        reports = [files.read_json(os.path.join(out, f)) for f in sorted(os.listdir(out)) if f.startswith(".shard-")]
-        reports = [r for r in reports if r.get("identity") == identity]
-        n = max([r["shard"][1] for r in reports] + [1])
-        have = {r["shard"][0] for r in reports}
-        if args.shard and len(have) < n:
-            log.info(f"shard {args.shard[0]}/{n} done; the manifest is written when all {n} shards are")
-            return 1 if failed else 0
-        failed = {int(k): v for r in reports for k, v in r["failures"].items()} if reports else dict(failed)
-        t0 = time.time()
-        bad = {i: r for i, r in extraction.check_all(out, rows, [i for i in range(len(rows)) if i not in failed],
-                                                     n_states, hidden).items() if r}
-        log.info(f"verified {len(rows) - len(failed):,} files in {time.time() - t0:.0f} s (checksums, token ids, values)")
-        if bad:
-            i, reason = next(iter(bad.items()))
-            shard = f" (shard {i % n}/{n})" if n > 1 else ""
-            log.error(f"{len(bad)} rows have no valid file, e.g. hs_{i}.safetensors{shard}: {reason}; rerun stage 02 "
-                      f"with the same flags{' for those shards' if n > 1 else ''} (it redoes only those), then --verify")
-            return 1
-        stats = {"tokens": sum(r["tokens"] for r in reports), "seconds": max((r["seconds"] for r in reports), default=0),
-                 "resumed": sum(r["resumed"] for r in reports), "shards": n} if reports else stats
-    ok, tokens, secs = len(rows) - len(failed), stats["tokens"], stats["seconds"]
-    bytes_written = sum(len(rows[i]) for i in range(len(rows)) if i not in failed) * plan["disk_per_token"]
-    files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
-        "extract", args, identity=identity, content_id=files.content_id(identity), verifier=plan["verifier"],
-        layer_ids=plan["layer_ids"], layer_id_convention=verifier.LAYER_ID_CONVENTION, storage_dtype=args.storage_dtype,
-        prepared_data=os.path.abspath(plan["jsonl"]),
-        counts={"rows": len(rows), "ok": ok, "failed": len(failed), "resumed": stats["resumed"],
-                "extracted": ok - stats["resumed"], "tokens_extracted": tokens, "bytes": bytes_written,
-                "shards": stats.get("shards", 1)},
-        throughput={"seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1) if secs else None},
-        failures={str(i): r for i, r in sorted(failed.items())}, complete=not failed))
-    log.info(f"done: {ok} ok, {len(failed)} failed, {stats['resumed']} resumed; {tokens:,} tokens in {secs:.0f} s "
-             f"({tokens / max(secs, 1e-9):,.0f} tok/s); {bytes_written / 1e9:.2f} GB in {out}")
-    if failed:
-        log.error(f"{len(failed)} samples failed (reasons in {out}/manifest.json); stage 04 trains on the others")
-    return 1 if failed else 0
-
-
 def main():
     args = parse_args()
     log = cli.setup_logging()
@@ -150,13 +61,14 @@ def main():
     if plan["warning"]:
         log.warning(plan["warning"])
     print(preflight.format_plan(plan), flush=True)
-    identity = prepare_output(args, plan, log)  # refuses another run's folder, --dry-run included
+    # every row is read and checked before anything is written (the dry run, in seconds, trusts stage 01's manifest)
+    rows = None if args.dry_run else read_rows(plan["jsonl"], plan["rows"], plan["verifier"]["vocab_size"])
+    identity = prepare_output(args, plan)  # refuses another run's folder, --dry-run included
     if args.dry_run:
         print("dry run: all checks passed; nothing loaded, nothing written")
         return 0
-    rows = read_rows(plan["jsonl"], plan["rows"])
     if args.verify:
-        return finish(args, plan, identity, rows, {}, {"tokens": 0, "seconds": 0, "resumed": 0}, log)
+        return finish(args, plan, identity, rows, {}, {"tokens": 0, "seconds": 0, "resumed": 0})
 
     from eagle3pipe import backends, extraction
     from eagle3pipe.progress import Progress
@@ -168,6 +80,7 @@ def main():
     log.info(f"{len(done)} of {len(mine)} samples already extracted and valid; {len(todo)} to go{shard}")
     failed, tokens, secs = {}, 0, 0.0
     if todo:
+        faults.kill_point("load")
         t_load = time.time()
         if args.backend == "vllm":
             staging = os.path.join(os.path.abspath(out), f".incoming-{os.getpid()}")
@@ -180,13 +93,17 @@ def main():
         log.info(f"verifier loaded in {time.time() - t_load:.0f} s ({args.backend} backend)")
         bar = Progress(len(mine), "extract", "samples", initial=len(done),
                        total_tokens=sum(len(rows[i]) for i in todo))
-        on_gpu = plan["device"] != "CPU"  # several writer threads keep up with a GPU; on CPU they steal its cores
-        failed, tokens, secs = extraction.run(backend, rows, todo, out, args, n_states, hidden, bar,
-                                              writer_threads=4 if on_gpu else 1)
+        # a GPU needs several writer threads to keep up; on CPU one, at low priority, next to the vLLM engine
+        on_gpu = plan["device"] != "CPU"
+        failed, tokens, secs, stopped = extraction.run(backend, rows, todo, out, args, n_states, hidden, bar,
+                                                       writer_threads=4 if on_gpu else 1,
+                                                       background_writer=args.backend == "vllm" and not on_gpu)
         bar.close()
         if args.backend == "vllm":
             shutil.rmtree(staging, ignore_errors=True)
-    return finish(args, plan, identity, rows, failed, {"tokens": tokens, "seconds": secs, "resumed": len(done)}, log)
+        if stopped:  # no manifest: the folder is incomplete until a rerun finishes it
+            return 128 + stopped
+    return finish(args, plan, identity, rows, failed, {"tokens": tokens, "seconds": secs, "resumed": len(done)})
 
 
 if __name__ == "__main__":

@@ -63,13 +63,14 @@ def main():
     from eagle3pipe import training
     fp = verifier.fingerprint(args.model_path)
     files.check_output_dir("--output-dir", args.output_dir, "train")
-    prep, ext, voc, rows, failed = training.check_inputs(args, fp)
+    rank = int(os.environ.get("RANK", "0"))
+    # rank 0 reads every file against its checksum; the other ranks wait for its bridge
+    prep, ext, voc, rows, failed = training.check_inputs(args, fp, verify_data=rank == 0)
     if max(len(r[0]) for r in rows) > args.total_seq_len:
         raise cli.UsageError(f"--total-seq-len {args.total_seq_len}: shorter than the longest row "
                              f"({max(len(r[0]) for r in rows)} tokens); raise it")
     identity = {"prepared": prep["content_id"], "extract": ext["content_id"], "vocab": voc["content_id"],
                 "num_layers": args.num_layers, "ttt_steps": args.ttt_steps}
-    rank = int(os.environ.get("RANK", "0"))
     out = os.path.abspath(args.output_dir)
     training.prepare_output(out, identity, args.overwrite, rank)
 

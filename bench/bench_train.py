@@ -57,7 +57,7 @@ def main():
     os.makedirs(w, exist_ok=True)
     ours = [py, "04_train.py", "--model-path", a.model_path, "--prepared-data", a.prepared_data,
             "--hidden-states", a.hidden_states, "--vocab-mapping", a.vocab_mapping, "--max-steps", str(a.steps),
-            "--total-seq-len", str(a.total_seq_len), "--log-every", "10", "--epochs", "100", "--overwrite", *a.extra]
+            "--total-seq-len", str(a.total_seq_len), "--log-every", "1", "--epochs", "100", "--overwrite", *a.extra]
     if a.workers is not None:
         ours += ["--num-workers", str(a.workers)]
     res = {"steps": a.steps, "total_seq_len": a.total_seq_len}

@@ -139,6 +139,8 @@ class VLLMBackend:
     def __init__(self, model_path, layer_ids, args, staging, on_gpu):
         if not on_gpu:
             cpu_vllm_env()
+            import torch
+            torch.set_num_threads(1)  # this process only validates and writes files: leave the cores to the engine
         # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")

@@ -22,7 +22,8 @@ SECTIONS = ("prepare", "extract", "vocab", "train", "evaluate")
 CONFIG_KEYS = {
     "model_path": str, "dataset": str, "split": str, "prepared_data": str, "hidden_states": str,
     "vocab_mapping": str, "checkpoint_dir": str, "eval_dir": str,
-    "max_seq_len": int, "num_samples": int, "seed": int, "trust_remote_code": bool,
+    "max_seq_len": int, "num_samples": int, "seed": int, "trust_remote_code": bool, "regenerate": bool,
+    "regen_temperature": float, "regen_max_tokens": int, "regen_batch_size": int, "regen_tp_size": int,
     "tp_size": int, "batch_size": int, "gpu_memory_utilization": float, "layer_ids": list,
     "backend": str, "max_tokens_per_batch": int, "storage_dtype": str,
     "draft_vocab_size": int,

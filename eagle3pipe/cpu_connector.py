@@ -3,7 +3,7 @@
 The stock connector copies states device-to-host asynchronously through `torch.cuda.Stream`/`Event` into
 pinned memory, which raises on a CPU-only torch ("pin_memory=True requires a CUDA or other accelerator
 backend"). Here the states already live in host memory: slice them out of the cache, clone them (the cache
-blocks are freed right after), and hand the write to the connector's own thread pool. Loaded by vLLM through
+blocks are freed right after), and hand the write to the connector's own thread pool, which writes our format. Loaded by vLLM through
 `kv_connector_module_path = "eagle3pipe.cpu_connector"`. Everything else is the stock connector.
 """
 import fcntl
@@ -11,6 +11,8 @@ import os
 from functools import partial
 
 import torch
+
+from eagle3pipe.hidden_states import save
 
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector, extract_from_kv_cache)
@@ -24,6 +26,17 @@ class _Done:
 
     def synchronize(self):
         pass
+
+
+def _write_checked(tensors, filename, lock_fd):
+    """The connector's write thread, in the engine's process where the states already are: our file format (CRC-32
+    in the header) plus whether every value is finite, so stage 02's own process validates the file from its
+    header and token ids and renames it, without reading the states again."""
+    try:
+        save(filename, tensors, finite=int(torch.isfinite(tensors["hidden_states"]).all()))
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)  # releases the lock stage 02 waits on
 
 
 class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
@@ -43,7 +56,7 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
             lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
         done = _Done()
-        future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
+        future = self._executor.submit(_write_checked, tensors, pending.filename, lock_fd)
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))

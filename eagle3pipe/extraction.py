@@ -6,16 +6,19 @@
   retried, down to one sample; a sample that cannot fit alone is recorded as failed. The model stays loaded.
 - A background writer validates (finite values, token ids) and writes each file atomically, overlapping the
   writes with the next batch's compute. A non-finite sample is recorded as failed, never written.
-- Fault injection, for tests of the real loop: EAGLE3_INJECT_OOM_ABOVE_TOKENS=N raises torch's own
-  OutOfMemoryError for any forward over N tokens; EAGLE3_INJECT_NAN_ROWS=3,7 poisons those rows' states.
+- Fault injection for the tests of the real loop (kills, OOM, NaN): see faults.py.
 """
+import errno
 import logging
 import os
 import queue
+import re
+import signal
 import threading
 import time
 
-from .hidden_states import SCALES, check_file, hs_path, load_checked, quantize_fp8, save
+from . import faults
+from .hidden_states import SCALES, check_file, check_header, hs_path, load_checked, quantize_fp8, read_header, save
 
 log = logging.getLogger("eagle3")
 
@@ -47,6 +50,11 @@ def scan_existing(out_dir, rows, n_states, hidden, indices=None):
     """Rows (of `indices`, default all) whose file is valid; invalid files are removed (they will be redone)."""
     names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
     indices = range(len(rows)) if indices is None else indices
+    mine = set(indices)
+    for n in names:  # a killed writer's temporary files (only this replica's rows: others may be writing theirs)
+        m = re.fullmatch(r"\.hs_(\d+)\.safetensors\.tmp-\d+", n)
+        if m and int(m.group(1)) in mine:
+            os.remove(os.path.join(out_dir, n))
     cand = [i for i in indices if os.path.basename(hs_path(out_dir, i)) in names]
     ok = set()
     for i, reason in check_all(out_dir, rows, cand, n_states, hidden).items():
@@ -66,16 +74,43 @@ def _is_oom(e):
 class Writer:
     """Validates and writes results on background threads; a bounded queue applies back-pressure.
 
-    A result is either a path the engine wrote (vLLM: wait for its lock, validate, rewrite with a checksum, and in
-    fp8 if asked) or a Pending (HF: host tensors whose device-to-host copy completes at `event`)."""
+    A result is either a path the engine wrote (vLLM: wait for its lock; a file of our CPU connector is checked from
+    its header and token ids and renamed; any other is read, validated and rewritten with a checksum, in fp8 if
+    asked) or a Pending (HF: host tensors whose device-to-host copy completes at `event`)."""
 
-    def __init__(self, out_dir, rows, n_states, hidden, on_done, storage="bf16", threads=1, depth=8, nan_rows=()):
+    def __init__(self, out_dir, rows, n_states, hidden, on_done, storage="bf16", threads=1, depth=8, nan_rows=(),
+                 background=False):
         self.q = queue.Queue(maxsize=depth)
         self.out_dir, self.rows, self.n_states, self.hidden, self.on_done = out_dir, rows, n_states, hidden, on_done
-        self.storage, self.nan_rows, self.error = storage, set(nan_rows), None
+        self.storage, self.nan_rows, self.error, self.closed = storage, set(nan_rows), None, False
+        self.background = background
         self.threads = [threading.Thread(target=self._loop, daemon=True, name=f"hs-writer-{k}") for k in range(threads)]
         for t in self.threads:
             t.start()
+
+    def _adopt(self, i, path):
+        """A file our CPU connector wrote (CRC and finiteness in its header): check the header and token ids, then
+        rename it into place; -> (True, reason or None). (False, None) for any other file: read and rewrite it."""
+        wait_for_engine_file(path)
+        try:
+            header = read_header(path)[0].get("__metadata__") or {}
+        except (OSError, ValueError):
+            return False, None  # the full path below names what is wrong with it
+        if "crc32" not in header or "finite" not in header or self.storage != "bf16" or i in self.nan_rows:
+            return False, None
+        reason = check_header(path, len(self.rows[i]), self.n_states, self.hidden)
+        if reason is None and header["finite"] != "1":
+            reason = "non-finite values"
+        if reason is None:
+            from safetensors import safe_open
+            with safe_open(path, "pt") as f:
+                if f.get_tensor("token_ids").tolist() != list(self.rows[i]):
+                    reason = "token_ids differ from the prepared row"
+        if reason:
+            os.remove(path)
+        else:
+            os.replace(path, hs_path(self.out_dir, i))
+        return True, reason
 
     def _tensors(self, i, result):
         """-> ({name: CPU tensor} to save, None) or (None, the reason the sample is bad)."""
@@ -101,44 +136,57 @@ class Writer:
         return tensors, None
 
     def _loop(self):
+        if self.background:  # CPU: the engine's OpenMP threads own the cores; a preempted one stalls the whole step
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         while True:
             item = self.q.get()
             if item is None:
                 return
             i, result = item
             try:
-                tensors, reason = self._tensors(i, result)
-                if tensors is not None:
-                    save(hs_path(self.out_dir, i), tensors)
+                adopted, reason = self._adopt(i, result) if isinstance(result, str) else (False, None)
+                if not adopted:
+                    tensors, reason = self._tensors(i, result)
+                    if tensors is not None:
+                        save(hs_path(self.out_dir, i), tensors)
                 self.on_done(i, reason)
             except Exception as e:  # a full disk, a dead filesystem: stop the run, do not skip samples
                 self.error = self.error or e
                 while True:  # keep draining so the producer never blocks on a dead writer
+                    self.q.task_done()
                     if self.q.get() is None:
                         return
+            self.q.task_done()
 
     def put(self, i, result):
         if self.error:
             raise self.error
         self.q.put((i, result))
 
-    def close(self):
-        for _ in self.threads:
-            self.q.put(None)
-        for t in self.threads:
-            t.join()
-        if self.error:
+    def close(self, raise_error=True):
+        if not self.closed:
+            self.closed = True
+            for _ in self.threads:
+                self.q.put(None)
+            for t in self.threads:
+                t.join()
+        if self.error and raise_error:
             raise self.error
 
 
-def load_engine_file(path, token_ids, n_states, hidden):
-    """A file vLLM's connector wrote: wait until it is complete (its .lock), then -> (reason or None, tensors)."""
+def wait_for_engine_file(path):
+    """Return once the engine's writer thread has finished `path` (it holds `path`.lock until then)."""
     import fcntl
     lock = path + ".lock"
-    if os.path.exists(lock):  # held by the engine's writer thread until the file is complete
+    if os.path.exists(lock):
         with open(lock) as lf:
             fcntl.flock(lf, fcntl.LOCK_SH)
         os.remove(lock)
+
+
+def load_engine_file(path, token_ids, n_states, hidden):
+    """A file vLLM's connector wrote: wait until it is complete, then -> (reason or None, tensors)."""
+    wait_for_engine_file(path)
     reason, tensors = load_checked(path, token_ids, n_states, hidden)
     return reason, tensors and {"hidden_states": tensors["hidden_states"]}
 
@@ -153,11 +201,11 @@ class Pending:
         self.tensors, self.event, self.bad = tensors, event, bad
 
 
-def run(backend, rows, todo, out_dir, args, n_states, hidden, progress, writer_threads=1):
-    """Extract every row in `todo`. Returns (failed {row: reason}, tokens done, seconds)."""
-    failed, done_tokens = {}, [0]
-    oom_above = int(os.environ.get("EAGLE3_INJECT_OOM_ABOVE_TOKENS", "0") or 0)
-    nan_rows = {int(x) for x in os.environ.get("EAGLE3_INJECT_NAN_ROWS", "").split(",") if x.strip()}
+def run(backend, rows, todo, out_dir, args, n_states, hidden, progress, writer_threads=1, background_writer=False):
+    """Extract every row in `todo`. Returns (failed {row: reason}, tokens done, seconds, the signal that stopped
+    it or None). SIGTERM/SIGINT finish the batch in flight and its files, then return; a full disk is one line."""
+    failed, done_tokens, written = {}, [0], set()
+    oom_above, nan_rows = faults.oom_above(), faults.nan_rows()
     lock = threading.Lock()
 
     def on_done(i, reason):
@@ -167,10 +215,12 @@ def run(backend, rows, todo, out_dir, args, n_states, hidden, progress, writer_t
                 log.error(f"row {i}: {reason}; not written")
             else:
                 done_tokens[0] += len(rows[i])
+                written.add(i)
             progress.update(1, tokens=len(rows[i]))
 
     writer = Writer(out_dir, rows, n_states, hidden, on_done, storage=getattr(args, "storage_dtype", "bf16"),
-                    threads=writer_threads, depth=max(8, 2 * args.batch_size), nan_rows=nan_rows)
+                    threads=writer_threads, depth=max(8, 2 * args.batch_size), nan_rows=nan_rows,
+                    background=background_writer)
 
     def process(batch):
         try:
@@ -194,14 +244,53 @@ def run(backend, rows, todo, out_dir, args, n_states, hidden, progress, writer_t
             process(batch[:half])
             process(batch[half:])
             return
+        faults.kill_point("batch")
         for i in batch:
             writer.put(i, results[i])
 
+    stop = {}
+
+    def on_signal(signum, frame):
+        if stop:  # the second one: stop now (the rows of unfinished batches are redone by the next run)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        stop["signal"] = signum
+        log.warning(f"{signal.Signals(signum).name}: finishing the batch in flight and its files, then stopping "
+                    f"(send it again to stop at once)")
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     t0 = time.time()
     batches = make_batches(todo, [len(r) for r in rows], args.batch_size, args.max_tokens_per_batch)
     try:
         for batch in batches:
-            process(batch)
-    finally:
+            if stop:
+                break
+            if faults.armed("between"):
+                writer.q.join()  # a kill "between batches": after the previous batch's files are all written
+                faults.kill_point("between")
+            try:
+                process(batch)
+            except Exception:
+                if not stop:
+                    raise
+                log.warning("the batch in flight was dropped (the engine stopped too); its rows will be redone")
+                break
         writer.close()
-    return failed, done_tokens[0], time.time() - t0
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        from .cli import UsageError
+        from .hidden_states import bytes_per_token
+        left = [i for i in todo if i not in written and i not in failed]
+        need = sum(len(rows[i]) for i in left) * bytes_per_token(n_states, hidden, writer.storage)
+        raise UsageError(f"--output-dir {out_dir}: disk full ({e.strerror}) with {len(left):,} of {len(todo):,} "
+                         f"samples left, about {need / 1e9:.2f} GB more needed; free space and rerun the same "
+                         f"command (the {len(written):,} files written are kept)")
+    finally:
+        writer.close(raise_error=False)  # after an error: stop the threads, keep the first exception
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if stop:
+        log.warning(f"stopped by {signal.Signals(stop['signal']).name}: {len(written):,} of {len(todo):,} samples "
+                    f"written this run; rerun the same command to resume")
+    return failed, done_tokens[0], time.time() - t0, stop.get("signal")

@@ -19,7 +19,7 @@ from .cli import UsageError
 
 MANIFEST = "manifest.json"
 RUN_FILE = ".run.json"  # written when a resumable stage starts: {"stage", "identity"}
-LAUNCHER_FILES = ("extract.log", "extract.pid")  # scripts/extract.sh writes these before the stage starts
+LAUNCHER_FILES = ("extract", (".log", ".pid"))  # scripts/extract.sh writes extract[.shard-K].{log,pid} first
 STAGE_SCRIPTS = {
     "prepare": "01_prepare_dataset.py", "extract": "02_extract_hidden_states.py",
     "vocab": "03_build_vocab_mapping.py", "train": "04_train.py", "evaluate": "05_evaluate.py",
@@ -71,7 +71,8 @@ def check_output_dir(flag, folder, stage):
         if m is not None and m.get("stage") != stage:
             raise UsageError(f"{flag} {folder}: holds the output of stage '{m.get('stage')}'; "
                              f"choose another folder")
-        if m is None and any(not n.startswith(".") and n not in LAUNCHER_FILES for n in os.listdir(folder)):
+        if m is None and any(not n.startswith((".", LAUNCHER_FILES[0])) or not n.endswith(LAUNCHER_FILES[1])
+                             for n in os.listdir(folder) if not n.startswith(".")):
             raise UsageError(f"{flag} {folder}: folder is not empty and has no {MANIFEST}; "
                              f"choose an empty or new folder")
         if not os.access(folder, os.W_OK):

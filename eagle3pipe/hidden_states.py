@@ -44,19 +44,21 @@ def quantize_fp8(states):
 
 
 def dequantize(tensors):
-    """{hidden_states, [hidden_states_scales]} -> bf16 hidden_states [T, L+1, H]."""
+    """{hidden_states, [hidden_states_scales]} -> bf16 hidden_states [T, L+1, H], computed as speculators' FP8Transfer
+    does (in bf16), so that what our tools see is what the trainer sees."""
     import torch
     hs = tensors["hidden_states"]
     if SCALES in tensors:
-        return (hs.float() * tensors[SCALES].float()).to(torch.bfloat16)
+        return hs.to(torch.bfloat16) * tensors[SCALES].to(torch.bfloat16)
     return hs
 
 
-def save(path, tensors):
-    """Write {name: contiguous CPU tensor} as safetensors with a CRC-32 of the data, atomically (a temporary name
-    in the same folder, renamed when complete). The tensors' memory is written as is: no intermediate copy, and
+def save(path, tensors, **metadata):
+    """Write {name: contiguous CPU tensor} as safetensors with a CRC-32 of the data (and any `metadata` strings)
+    in the header, atomically (a temporary name in the same folder, renamed when complete). The tensors' memory is written as is: no intermediate copy, and
     the GIL is released during the writes, so several writer threads overlap."""
     import torch
+    from . import faults
     from .files import atomic_path
     header, views, offset, crc = {}, [], 0, 0
     for name in sorted(tensors):
@@ -67,14 +69,16 @@ def save(path, tensors):
         offset += len(mv)
         crc = zlib.crc32(mv, crc)
         views.append(mv)
-    header["__metadata__"] = {"format": "pt", "crc32": f"{crc:08x}"}
+    header["__metadata__"] = {"format": "pt", "crc32": f"{crc:08x}", **{k: str(v) for k, v in metadata.items()}}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
-            for mv in views:
+            for k, mv in enumerate(views):
                 f.write(mv)
+                if k == 0:
+                    faults.kill_point("write")  # a reliability test: die with the file half written
 
 
 def read_header(path):

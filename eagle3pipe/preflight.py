@@ -141,7 +141,7 @@ def resolve_prepared(flag, path):
 def plan(args):
     """Every check that needs no model load; returns the plan --dry-run prints."""
     from . import verifier
-    from .files import check_output_dir, read_manifest
+    from .files import check_output_dir
     from .cli import at_least
     at_least(args, batch_size=1, tp_size=1, max_seq_len=2)
     if args.max_tokens_per_batch is not None and args.max_tokens_per_batch < args.max_seq_len:
@@ -195,10 +195,12 @@ def plan(args):
     from .hidden_states import bytes_per_token
     disk_per_token = bytes_per_token(n_states, fp["hidden_size"], args.storage_dtype)
     disk_need = counts["tokens"] * disk_per_token
-    existing = read_manifest(args.output_dir) if os.path.isdir(args.output_dir) else None
+    # a resumed run needs only what its existing files do not already hold
+    have = sum(e.stat().st_size for e in os.scandir(args.output_dir) if e.name.startswith("hs_")) \
+        if os.path.isdir(args.output_dir) else 0
     free = free_disk(args.output_dir)
-    if disk_need > free and not existing:
-        raise UsageError(f"--output-dir {args.output_dir}: needs about {disk_need / 1e9:.2f} GB, "
+    if disk_need - have > free:
+        raise UsageError(f"--output-dir {args.output_dir}: needs about {(disk_need - have) / 1e9:.2f} GB more, "
                          f"{free / 1e9:.2f} GB free")
     weights = weights_bytes(args.model_path)
     note = f" ({log_warn.split(': ', 1)[1]})" if log_warn and args.batch_size > rows else ""

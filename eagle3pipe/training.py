@@ -13,7 +13,7 @@ import time
 
 from .cli import UsageError
 from .files import STAGE_SCRIPTS, load_stage
-from .hidden_states import check_header, hs_path
+from .hidden_states import check_header, hs_path, verify_crc
 from .verifier import same_verifier
 
 log = logging.getLogger("eagle3")
@@ -26,7 +26,7 @@ def _mismatch(what, a_name, a, b_name, b, rerun):
                          f"{b.get(diff)}); rerun {STAGE_SCRIPTS[rerun]}")
 
 
-def check_inputs(args, fp):
+def check_inputs(args, fp, verify_data=True):
     """All cross-stage checks, before torch: -> (prep, extract, vocab manifests, rows [(ids, mask)], failed rows)."""
     prep = load_stage("--prepared-data", args.prepared_data, "prepare")
     ext = load_stage("--hidden-states", args.hidden_states, "extract")
@@ -62,6 +62,13 @@ def check_inputs(args, fp):
         reason = check_header(hs_path(args.hidden_states, i), len(ids), n_states, hidden)
         if reason:
             bad.append((i, reason))
+    if not bad and verify_data:  # every byte against its CRC: a flipped bit must not reach the trainer
+        from concurrent.futures import ThreadPoolExecutor
+        t0, todo = time.time(), [i for i in range(len(rows)) if i not in failed]
+        with ThreadPoolExecutor(min(16, 2 * (os.cpu_count() or 1))) as ex:
+            crcs = ex.map(lambda i: verify_crc(hs_path(args.hidden_states, i)), todo)
+            bad = [(i, r) for i, r in zip(todo, crcs) if r]
+        log.info(f"checked {len(todo):,} hidden-state files against their checksums in {time.time() - t0:.1f} s")
     if bad:
         i, reason = bad[0]
         raise UsageError(f"--hidden-states {args.hidden_states}: {len(bad)} bad file(s), e.g. hs_{i}.safetensors: "

@@ -1,0 +1,38 @@
+"""Fault injection for the reliability tests: real code paths, with the fault switched on by an environment
+variable. Nothing here does anything unless a variable is set.
+
+    EAGLE3_INJECT_KILL=POINT[:N]       SIGKILL this process the Nth time (default 1st) it reaches POINT:
+                                       load (stage 02, before the verifier loads), batch (a batch computed, none
+                                       of it queued for writing), write (a file half written under its temporary
+                                       name), between (a batch's files all written, the next not started),
+                                       end (every file written, the manifest not yet)
+    EAGLE3_INJECT_OOM_ABOVE_TOKENS=N   raise torch's OutOfMemoryError for any stage 02 forward over N tokens
+    EAGLE3_INJECT_NAN_ROWS=3,7         poison those rows' hidden states before stage 02's finiteness check
+"""
+import os
+import signal
+import threading
+
+_counts, _lock = {}, threading.Lock()
+
+
+def armed(name):
+    return os.environ.get("EAGLE3_INJECT_KILL", "").split(":")[0] == name
+
+
+def kill_point(name):
+    if not armed(name):
+        return
+    spec = os.environ["EAGLE3_INJECT_KILL"]
+    with _lock:
+        _counts[name] = _counts.get(name, 0) + 1
+        if _counts[name] == int(spec.split(":")[1]) if ":" in spec else 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def oom_above():
+    return int(os.environ.get("EAGLE3_INJECT_OOM_ABOVE_TOKENS", "0") or 0)
+
+
+def nan_rows():
+    return {int(x) for x in os.environ.get("EAGLE3_INJECT_NAN_ROWS", "").split(",") if x.strip()}

@@ -1,0 +1,171 @@
+"""Stage 02 under faults, through its command line and real SmolLM2 (HF backend, CPU): SIGKILL at five points of
+a run, SIGTERM, a disk that fills mid-run, and corrupt files left in the output folder. After each, a rerun of
+the same command must finish with every row's file present and valid and the manifest right."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, run_script
+from eagle3pipe.hidden_states import check_file, hs_path
+
+# two points in the default (CI) set, all five with -m slow
+POINTS = [pytest.param("load", marks=pytest.mark.slow), pytest.param("batch", marks=pytest.mark.slow), "write",
+          "between", pytest.param("end", marks=pytest.mark.slow)]
+
+
+def cmd(model_path, prep, out, *extra):
+    return ["02_extract_hidden_states.py", "--backend", "hf", "--model-path", model_path, "--prepared-data",
+            str(prep), "--output-dir", str(out), "--max-seq-len", "512", "--batch-size", "2", *extra]
+
+
+def rows_of(prep):
+    return [json.loads(l)["input_ids"] for l in open(os.path.join(prep, "tokenized_data.jsonl"))]
+
+
+def assert_complete(prep, out, n_states=4, hidden=576):
+    rows = rows_of(prep)
+    names = sorted(os.listdir(out))
+    assert not [n for n in names if ".tmp-" in n], names  # no temporary file left behind
+    assert len([n for n in names if n.startswith("hs_")]) == len(rows)  # one file per row, nothing else
+    for i, r in enumerate(rows):
+        assert check_file(hs_path(out, i), r, n_states, hidden) is None, i
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    assert m["complete"] and m["counts"]["ok"] == len(rows) and m["counts"]["failed"] == 0
+    assert m["counts"]["resumed"] + m["counts"]["extracted"] == len(rows)
+    return m
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_sigkill_then_rerun_completes(stages, model_path, tmp_path, point):
+    out = tmp_path / "hs"
+    n_hit = "2" if point in ("batch", "write", "between") else "1"  # mid-run, not on the first batch
+    p, _ = run_script(*cmd(model_path, stages["prepared"], out),
+                      env=dict(os.environ, EAGLE3_INJECT_KILL=f"{point}:{n_hit}"))
+    assert p.returncode == -signal.SIGKILL, (p.returncode, p.stderr[-2000:])
+    assert not (out / "manifest.json").exists()
+    before = {n for n in os.listdir(out) if n.startswith("hs_")}
+    if point == "write":
+        assert any(".tmp-" in n for n in os.listdir(out))  # the half-written file never got its final name
+    if point == "end":
+        assert len(before) == len(rows_of(stages["prepared"]))
+    p, _ = run_script(*cmd(model_path, stages["prepared"], out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = assert_complete(stages["prepared"], out)
+    assert m["counts"]["resumed"] == len(before)  # what the killed run finished is kept, not redone
+
+
+def test_sigterm_finishes_the_batch_in_flight_and_says_how_to_resume(stages, model_path, tmp_path):
+    out = tmp_path / "hs"
+    err = open(tmp_path / "err", "w")
+    proc = subprocess.Popen([sys.executable, *cmd(model_path, stages["prepared"], out, "--batch-size", "1")],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any(n.startswith("hs_") for n in os.listdir(out) if out.exists()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    err.close()
+    text = (tmp_path / "err").read_text()
+    assert "SIGTERM: finishing the batch in flight" in text and "rerun the same command to resume" in text, text
+    assert not (out / "manifest.json").exists()
+    done = [n for n in os.listdir(out) if n.startswith("hs_")]
+    assert 0 < len(done) < len(rows_of(stages["prepared"]))
+    assert not [n for n in os.listdir(out) if ".tmp-" in n]
+    p, _ = run_script(*cmd(model_path, stages["prepared"], out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert assert_complete(stages["prepared"], out)["counts"]["resumed"] == len(done)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real, size-limited filesystem (tmpfs); the test is skipped where mounting is not allowed."""
+    d = tmp_path / "disk"
+    d.mkdir()
+
+    def mount(mib):
+        subprocess.run(["umount", str(d)], capture_output=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        return d
+    yield mount
+    subprocess.run(["umount", str(d)], capture_output=True)
+
+
+def test_full_disk_mid_run_is_one_line_and_a_rerun_with_space_completes(stages, model_path, small_disk):
+    prep = stages["prepared"]
+    need = sum(map(len, rows_of(prep))) * (4 * 576 * 2 + 8)
+    disk = small_disk(int(need * 1.5) // 2**20 + 2)
+    out = disk / "hs"
+    proc = subprocess.Popen([sys.executable, *cmd(model_path, prep, out, "--batch-size", "1")], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any(n.startswith("hs_") for n in os.listdir(out) if out.exists()):
+        time.sleep(0.05)
+    with open(disk / "ballast", "wb") as f:  # someone else fills the disk while the stage runs
+        try:
+            while True:
+                f.write(b"\0" * 2**20)
+        except OSError:
+            pass
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2, stderr[-2000:]
+    line = [l for l in stderr.splitlines() if l.startswith("error: ")]
+    assert len(line) == 1 and f"--output-dir {out}: disk full" in line[0] and "GB more needed" in line[0], stderr
+    assert not [n for n in os.listdir(out) if ".tmp-" in n]  # no partial file, under any name
+    rows = rows_of(prep)
+    for n in os.listdir(out):  # whatever was written is complete
+        if n.startswith("hs_"):
+            i = int(n[3:-12])
+            assert check_file(hs_path(out, i), rows[i], 4, 576) is None
+    os.remove(disk / "ballast")
+    p, _ = run_script(*cmd(model_path, prep, out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert_complete(prep, out)
+
+
+def test_preflight_refuses_a_disk_too_small_for_the_estimate(stages, model_path, small_disk):
+    disk = small_disk(1)
+    p, secs = run_script(*cmd(model_path, stages["prepared"], disk / "hs"))
+    assert p.returncode == 2 and secs < 3, p.stderr
+    assert f"--output-dir {disk / 'hs'}: needs about" in p.stderr and "GB free" in p.stderr
+    assert not (disk / "hs").exists()
+
+
+def test_corrupt_files_are_found_by_the_resume_and_redone(stages, model_path, tmp_path):
+    import shutil
+    out = tmp_path / "hs"
+    shutil.copytree(stages["hs"], out)
+    f = out / "hs_2.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit: same size, valid header
+    f.write_bytes(bytes(data))
+    g = out / "hs_3.safetensors"
+    g.write_bytes(g.read_bytes()[:1000])  # truncated
+    shutil.copy(out / "hs_0.safetensors", out / "hs_4.safetensors")  # a valid file of another row
+    p, _ = run_script(*cmd(model_path, stages["prepared"], out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "hs_2.safetensors: checksum mismatch" in p.stderr
+    assert "hs_3.safetensors: unreadable" in p.stderr or "hs_3.safetensors: size" in p.stderr, p.stderr
+    assert "hs_4.safetensors:" in p.stderr and "3 to go" in p.stderr
+    assert_complete(stages["prepared"], out)
+
+
+def test_token_ids_outside_the_vocab_are_refused_before_anything_is_written(stages, model_path, tmp_path):
+    import shutil
+    from test_cli_prepare_vocab import assert_refused
+    prep = tmp_path / "prep"
+    shutil.copytree(stages["prepared"], prep)
+    lines = (prep / "tokenized_data.jsonl").read_text().splitlines()
+    row = json.loads(lines[2])
+    row["input_ids"][5] = 49152  # one past SmolLM2's vocab: a hand-edited or foreign row
+    lines[2] = json.dumps(row)
+    (prep / "tokenized_data.jsonl").write_text("\n".join(lines) + "\n")
+    assert_refused(*run_script(*cmd(model_path, prep, tmp_path / "hs")), "tokenized_data.jsonl:3",
+                   "token ids must be in [0, 49152)")
+    assert not (tmp_path / "hs").exists()

@@ -1,0 +1,80 @@
+"""The hidden-state file format: our writer's files read back through safetensors and through speculators' own
+loaders (bf16 FileTransfer, fp8 FP8Transfer), the CRC catches a flipped bit, the header check catches truncation,
+and fp8's per-token scaling keeps the error within e4m3's precision."""
+import os
+
+import pytest
+import torch
+from hs_connectors.transfer import FileTransfer, FP8Transfer
+from pathlib import Path
+from safetensors.torch import load_file
+
+from eagle3pipe import hidden_states as hs
+
+T, L, H = 37, 4, 64
+
+
+def states():
+    torch.manual_seed(0)
+    x = torch.randn(T, L, H) * torch.tensor([1.0, 30.0, 300.0, 3000.0]).view(1, L, 1)  # layers of different scale
+    x[0] *= 50  # an outlier token (the first token's "massive activations")
+    return x.to(torch.bfloat16)
+
+
+def write(folder, i, storage):
+    x, ids = states(), torch.arange(T)
+    tensors = {"hidden_states": x, "token_ids": ids}
+    if storage == "fp8":
+        tensors["hidden_states"], tensors[hs.SCALES] = hs.quantize_fp8(x)
+    hs.save(hs.hs_path(folder, i), tensors)
+    return x, ids.tolist()
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+def test_roundtrip_through_speculators_loaders(tmp_path, storage):
+    x, ids = write(tmp_path, 0, storage)
+    assert hs.check_file(hs.hs_path(tmp_path, 0), ids, L, H) is None
+    size = os.path.getsize(hs.hs_path(tmp_path, 0))
+    header, start, _ = hs.read_header(hs.hs_path(tmp_path, 0))
+    assert size - start == T * hs.bytes_per_token(L, H, storage)  # the preflight's disk estimate is exact
+    loaded = (FP8Transfer if storage == "fp8" else FileTransfer)(Path(tmp_path)).get_cached(0)
+    assert loaded["token_ids"].tolist() == ids
+    assert loaded["hidden_states"].dtype == torch.bfloat16 and loaded["hidden_states"].shape == (T, L, H)
+    if storage == "bf16":
+        assert torch.equal(loaded["hidden_states"], x)
+    else:  # e4m3 has 3 mantissa bits: <= 1/16 relative error per value, about 2-3 % RMS over a layer
+        err = (loaded["hidden_states"].float() - x.float()).norm(dim=(0, 2)) / x.float().norm(dim=(0, 2))
+        assert (err < 0.05).all(), err
+        assert torch.equal(loaded["hidden_states"], hs.dequantize(load_file(hs.hs_path(tmp_path, 0))))
+
+
+def test_bit_flip_and_truncation_are_named(tmp_path):
+    _, ids = write(tmp_path, 0, "bf16")
+    path = hs.hs_path(tmp_path, 0)
+    data = bytearray(open(path, "rb").read())
+    data[-100] ^= 0x04  # one bit in the data section: still a valid safetensors file of the right size
+    open(path, "wb").write(bytes(data))
+    assert load_file(path)["hidden_states"].shape == (T, L, H)  # safetensors alone cannot tell
+    assert "checksum mismatch" in hs.check_file(path, ids, L, H)
+    open(path, "wb").write(bytes(data[: len(data) // 2]))
+    assert "truncated" in hs.check_header(path, T, L, H)
+    assert "truncated" in hs.check_file(path, ids, L, H)
+    open(path, "wb").write(b"\x00" * 5)
+    assert "unreadable" in hs.check_file(path, ids, L, H)
+    assert hs.check_file(hs.hs_path(tmp_path, 9), ids, L, H) == "missing"
+
+
+def test_wrong_row_or_shape_is_named(tmp_path):
+    _, ids = write(tmp_path, 0, "fp8")
+    path = hs.hs_path(tmp_path, 0)
+    assert "token_ids differ" in hs.check_file(path, ids[::-1], L, H)
+    assert "shape" in hs.check_file(path, ids, L + 1, H)
+
+
+def test_non_finite_values_are_refused(tmp_path):
+    x, ids = states(), torch.arange(T)
+    x[3, 1, 5] = float("inf")
+    hs.save(hs.hs_path(tmp_path, 0), {"hidden_states": x, "token_ids": ids})
+    assert hs.check_file(hs.hs_path(tmp_path, 0), ids.tolist(), L, H) == "non-finite values"
+    q, scale = hs.quantize_fp8(x)  # amax propagates the inf into that token's scale
+    assert not torch.isfinite(scale[3]).all() and torch.isfinite(scale[:3]).all()

@@ -1,0 +1,106 @@
+"""Stage 02's data-parallel replicas on CPU: two `--shard` processes into one folder give the same files as one
+run, the replica that finishes last writes the manifest, `--verify` names a corrupt or missing file and the shard
+that owns it, an fp8 run trains, and scripts/extract.sh starts one replica per GPU group."""
+import json
+import os
+import subprocess
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_script
+from test_cli_prepare_vocab import assert_refused
+from test_extract import extract, hf_out, prep, rows_of  # noqa: F401 (module fixtures)
+
+
+def test_two_shards_as_two_processes_equal_one_run(prep, hf_out, model_path, tmp_path):
+    out = tmp_path / "hs"
+    procs = [subprocess.Popen([os.sys.executable, "02_extract_hidden_states.py", "--backend", "hf", "--model-path",
+                               model_path, "--prepared-data", str(prep), "--output-dir", str(out), "--max-seq-len",
+                               "256", "--shard", f"{k}/2"], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for k in range(2)]
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert sum("the manifest is written when all 2 shards are" in e for e in errs) <= 1
+    m = json.load(open(out / "manifest.json"))
+    rows = rows_of(prep)
+    assert m["complete"] and m["counts"]["ok"] == len(rows) and m["counts"]["shards"] == 2
+    for i in range(len(rows)):
+        a, b = load_file(out / f"hs_{i}.safetensors"), load_file(hf_out / f"hs_{i}.safetensors")
+        assert torch.equal(a["token_ids"], b["token_ids"])
+        torch.testing.assert_close(a["hidden_states"].float(), b["hidden_states"].float(), rtol=0.02, atol=0.05)
+    for k in range(2):  # each replica took exactly its rows
+        rep = json.load(open(out / f".shard-{k}-of-2.json"))
+        assert rep["tokens"] == sum(len(r["input_ids"]) for i, r in enumerate(rows) if i % 2 == k)
+
+    # --verify: loads no model, names the corrupt file and the shard to rerun
+    path = out / "hs_3.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-64] ^= 0x10
+    path.write_bytes(bytes(data))
+    (out / "hs_5.safetensors").unlink()
+    p, secs = extract(model_path, prep, out, "--backend", "hf", "--verify")
+    assert p.returncode == 1 and secs < 30
+    assert "2 rows have no valid file" in p.stderr and "hs_3.safetensors" in p.stderr, p.stderr
+    assert "checksum mismatch" in p.stderr and "rerun shard(s) 1/2" in p.stderr, p.stderr
+    p, _ = extract(model_path, prep, out, "--backend", "hf", "--shard", "1/2")  # redoes exactly those two
+    assert p.returncode == 0 and "2 to go" in p.stderr, p.stderr
+    assert json.load(open(out / "manifest.json"))["complete"]
+
+
+def test_shard_flag_refusals(prep, model_path, tmp_path):
+    base = ["02_extract_hidden_states.py", "--model-path", model_path, "--prepared-data", str(prep),
+            "--output-dir", str(tmp_path / "hs")]
+    for extra, words in (
+            (["--shard", "2/2"], ["--shard", "0 <= I < N"]),
+            (["--shard", "one"], ["--shard", "I/N"]),
+            (["--shard", "0/2", "--overwrite"], ["--overwrite with --shard"]),
+            (["--shard", "0/2", "--verify"], ["--verify", "drop --shard"])):
+        assert_refused(*run_script(*base, *extra), *words)
+    assert not (tmp_path / "hs").exists()
+
+
+def test_fp8_storage_halves_the_disk_and_trains(prep, hf_out, model_path, tmp_path):
+    out = tmp_path / "fp8"
+    p, _ = extract(model_path, prep, out, "--backend", "hf", "--storage-dtype", "fp8")
+    assert p.returncode == 0, p.stderr
+    m, m16 = json.load(open(out / "manifest.json")), json.load(open(hf_out / "manifest.json"))
+    assert m["storage_dtype"] == "fp8" and m["counts"]["bytes"] < 0.6 * m16["counts"]["bytes"]
+    f = load_file(out / "hs_0.safetensors")
+    assert f["hidden_states"].dtype == torch.float8_e4m3fn and f["hidden_states_scales"].shape[1:] == (1, 1)
+    # the same folder cannot silently mix: a bf16 rerun into it is another run
+    p, _ = extract(model_path, prep, out, "--backend", "hf")
+    assert p.returncode == 2 and "storage_dtype differs" in p.stderr
+    p, _ = run_script("03_build_vocab_mapping.py", "--prepared-data", str(prep), "--draft-vocab-size", "512",
+                      "--output-dir", str(tmp_path / "vocab"))
+    assert p.returncode == 0, p.stderr
+    p, _ = run_script("04_train.py", "--model-path", model_path, "--prepared-data", str(prep), "--hidden-states",
+                      str(out), "--vocab-mapping", str(tmp_path / "vocab"), "--output-dir", str(tmp_path / "ck"),
+                      "--max-steps", "3", "--epochs", "50", "--total-seq-len", "512")
+    assert p.returncode == 0, p.stderr
+    man = json.load(open(tmp_path / "ck" / "manifest.json"))
+    assert man["steps"] == 3 and man["speculators_config"]["hidden_states_backend"] == "fp8"
+    # --max-steps ends the run: no empty epochs, each with its own checkpoint and validation, after it
+    assert len([n for n in os.listdir(tmp_path / "ck") if n.isdigit()]) <= 3
+
+
+def test_extract_sh_starts_one_replica_per_gpu_group(prep, model_path, tmp_path):
+    out = tmp_path / "hs"
+    env = dict(os.environ, REPLICAS="2", CUDA_VISIBLE_DEVICES="0,1", PYTHON=os.sys.executable)
+    p = subprocess.run(["bash", "scripts/extract.sh", "--backend", "hf", "--model-path", model_path,
+                        "--prepared-data", str(prep), "--output-dir", str(out), "--max-seq-len", "256"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "replica 0/2 on GPUs 0" in p.stdout and "replica 1/2 on GPUs 1" in p.stdout, p.stdout
+    pids = [int((out / f"extract.shard-{k}.pid").read_text()) for k in range(2)]
+    deadline = time.time() + 600
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.time() < deadline:
+        time.sleep(1)
+    assert json.load(open(out / "manifest.json"))["complete"]
+    assert all((out / f".shard-{k}-of-2.json").exists() for k in range(2))
+    env["REPLICAS"] = "3"  # 3 replicas on 2 GPUs: refused before anything starts
+    p = subprocess.run(["bash", "scripts/extract.sh", "--backend", "hf", "--model-path", model_path,
+                        "--prepared-data", str(prep), "--output-dir", str(tmp_path / "x")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "REPLICAS=3" in p.stderr and not (tmp_path / "x").exists()
