@@ -86,6 +86,10 @@ def main():
              f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
              f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}")
     result = training.run(cfg, args, on_cpu)
+    if os.path.basename(result["checkpoint_last"] or "") == "interrupted":  # SIGTERM/Ctrl-C: speculators saved it
+        log.warning(f"stopped by a signal at step {result['steps']}; checkpoint {out}/interrupted; rerun the same "
+                    f"command to resume")
+        return 128 + 15
     if rank == 0:
         files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
             "train", args, identity=identity, verifier=fp, layer_ids=ext["layer_ids"], aux_layer_ids=aux,

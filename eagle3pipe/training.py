@@ -64,11 +64,10 @@ def check_inputs(args, fp, verify_data=True):
             bad.append((i, reason))
     if not bad and verify_data:  # every byte against its CRC: a flipped bit must not reach the trainer
         from concurrent.futures import ThreadPoolExecutor
-        t0, todo = time.time(), [i for i in range(len(rows)) if i not in failed]
+        todo = [i for i in range(len(rows)) if i not in failed]
         with ThreadPoolExecutor(min(16, 2 * (os.cpu_count() or 1))) as ex:
             crcs = ex.map(lambda i: verify_crc(hs_path(args.hidden_states, i)), todo)
             bad = [(i, r) for i, r in zip(todo, crcs) if r]
-        log.info(f"checked {len(todo):,} hidden-state files against their checksums in {time.time() - t0:.1f} s")
     if bad:
         i, reason = bad[0]
         raise UsageError(f"--hidden-states {args.hidden_states}: {len(bad)} bad file(s), e.g. hs_{i}.safetensors: "

@@ -9,7 +9,9 @@
 #   (CUDA_VISIBLE_DEVICES, else all), each with --shard k/N, its own log <output-dir>/extract.shard-k.log and PID.
 #   8 GPUs: REPLICAS=1 (TP 8), REPLICAS=2 (TP 4 each), REPLICAS=8 (TP 1 each); without --tp-size, TP = GPUs / N.
 #   The replica that finishes last checks every file and writes manifest.json.
-# Prints the PID(s) (also in <output-dir>/extract[.shard-k].pid) and the exact `tail -f` command.
+# Prints the PID(s) (also in <output-dir>/extract[.shard-k].pid) and the exact `tail -f` command. Each run is its
+# own process group (setsid): `kill -TERM -- -PID` reaches vLLM's engine processes too, which a plain `kill -9 PID`
+# would leave holding GPU memory for a while.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -54,16 +56,18 @@ fi
 mkdir -p "$OUT"
 if [ "$N" -eq 1 ]; then
   LOG="$OUT/extract.log"
-  nohup "$PY" 02_extract_hidden_states.py "${ARGS[@]}" >>"$LOG" 2>&1 &
+  setsid nohup "$PY" 02_extract_hidden_states.py "${ARGS[@]}" >>"$LOG" 2>&1 &
   echo $! > "$OUT/extract.pid"
   echo "extract.sh: started PID $!; log: $LOG"
   echo "  tail -f $LOG"
+  echo "  stop: kill -TERM -- -$!   (its process group: the batch in flight is finished, vLLM's processes go too)"
   exit 0
 fi
 for ((k = 0; k < N; k++)); do
   LOG="$OUT/extract.shard-$k.log"
-  CUDA_VISIBLE_DEVICES=$(group $k) nohup "$PY" 02_extract_hidden_states.py "${ARGS[@]}" --shard $k/$N >>"$LOG" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$(group $k) setsid nohup "$PY" 02_extract_hidden_states.py "${ARGS[@]}" --shard $k/$N >>"$LOG" 2>&1 &
   echo $! > "$OUT/extract.shard-$k.pid"
   echo "extract.sh: replica $k/$N on GPUs $(group $k): PID $!; log: $LOG"
 done
 echo "  tail -f $OUT/extract.shard-*.log"
+echo "  stop one: kill -TERM -- -<its PID> (its process group)"

@@ -27,7 +27,7 @@ def load_script(name):
 def run_script(*args, cwd=REPO, timeout=900, env=None):
     """Run a numbered script in a subprocess -> (CompletedProcess, seconds)."""
     t0 = time.time()
-    e = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     p = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=e)
     return p, time.time() - t0
 

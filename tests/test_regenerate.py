@@ -4,10 +4,12 @@ rerun asks only for the rest; the manifest records what was regenerated."""
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
-from conftest import run_script
+from conftest import REPO, run_script
 
 
 @pytest.mark.e2e
@@ -23,8 +25,16 @@ def test_regenerate_resumes_after_a_kill(model_path, tokenizer, tmp_path):
     out = tmp_path / "prep"
     argv = ["01_prepare_dataset.py", "--model-path", model_path, "--dataset", str(data), "--output-dir", str(out),
             "--max-seq-len", "256", "--regenerate", "--regen-max-tokens", "12", "--regen-batch-size", "2"]
-    p, _ = run_script(*argv, env=dict(os.environ, EAGLE3_INJECT_KILL="regen:2"))  # after the second call
-    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    # SIGKILL after the second vLLM call. Its own session: vLLM's engine processes outlive a SIGKILLed parent for a
+    # while, holding its output pipes; the test reaps the whole group
+    log = open(tmp_path / "first.log", "w")
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=log, stderr=log, start_new_session=True,
+                            env=dict(os.environ, EAGLE3_INJECT_KILL="regen:2"))
+    assert proc.wait(timeout=600) == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-2000:]
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     cache = tmp_path / "prep.regenerating.jsonl"
     assert len(cache.read_text().splitlines()) == 4 and not out.exists()
 

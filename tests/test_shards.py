@@ -29,7 +29,10 @@ def test_two_shards_as_two_processes_equal_one_run(prep, hf_out, model_path, tmp
     for i in range(len(rows)):
         a, b = load_file(out / f"hs_{i}.safetensors"), load_file(hf_out / f"hs_{i}.safetensors")
         assert torch.equal(a["token_ids"], b["token_ids"])
-        torch.testing.assert_close(a["hidden_states"].float(), b["hidden_states"].float(), rtol=0.02, atol=0.05)
+        # other batch shapes (the rows are batched within each shard), so bf16 on CPU rounds differently: per state,
+        # as close as the vLLM and HF backends are to each other (on an H200 the files were bit-identical)
+        x, y = a["hidden_states"].float(), b["hidden_states"].float()
+        assert ((x - y).norm(dim=(0, 2)) / y.norm(dim=(0, 2)) < 0.03).all(), i
     for k in range(2):  # each replica took exactly its rows
         rep = json.load(open(out / f".shard-{k}-of-2.json"))
         assert rep["tokens"] == sum(len(r["input_ids"]) for i, r in enumerate(rows) if i % 2 == k)

@@ -65,7 +65,7 @@ def test_sigterm_finishes_the_batch_in_flight_and_says_how_to_resume(stages, mod
     proc = subprocess.Popen([sys.executable, *cmd(model_path, stages["prepared"], out, "--batch-size", "1")],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.time() + 300
-    while time.time() < deadline and not any(n.startswith("hs_") for n in os.listdir(out) if out.exists()):
+    while time.time() < deadline and not (out.exists() and any(n.startswith("hs_") for n in os.listdir(out))):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM
@@ -105,7 +105,7 @@ def test_full_disk_mid_run_is_one_line_and_a_rerun_with_space_completes(stages, 
     proc = subprocess.Popen([sys.executable, *cmd(model_path, prep, out, "--batch-size", "1")], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while time.time() < deadline and not any(n.startswith("hs_") for n in os.listdir(out) if out.exists()):
+    while time.time() < deadline and not (out.exists() and any(n.startswith("hs_") for n in os.listdir(out))):
         time.sleep(0.05)
     with open(disk / "ballast", "wb") as f:  # someone else fills the disk while the stage runs
         try:
