@@ -23,10 +23,10 @@ def armed(name):
 def kill_point(name):
     if not armed(name):
         return
-    spec = os.environ["EAGLE3_INJECT_KILL"]
+    _, _, nth = os.environ["EAGLE3_INJECT_KILL"].partition(":")
     with _lock:
         _counts[name] = _counts.get(name, 0) + 1
-        if _counts[name] == int(spec.split(":")[1]) if ":" in spec else 1:
+        if _counts[name] == int(nth or 1):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
