@@ -38,6 +38,8 @@ def parse_args(argv=None):
                    help="auxiliary layer ids, e.g. 2,30,58 (default [2, n//2, n-3]); id n is always appended")
     p.add_argument("--storage-dtype", choices=["bf16", "fp8"], default="bf16",
                    help="fp8: e4m3 with a per-token scale, half the disk; stage 04 reads both")
+    p.add_argument("--writer-threads", type=int, default=None,
+                   help="threads writing files (default: 4 on GPU, 1 on CPU next to the vLLM engine); more can help on network filesystems")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code")
     p.add_argument("--shard", type=cli.shard, default=None,
                    help="I/N: this replica extracts the rows whose index %% N == I; N replicas share --output-dir")
@@ -49,6 +51,8 @@ def parse_args(argv=None):
     if args.shard and args.overwrite:
         raise cli.UsageError("--overwrite with --shard: one replica would delete the others' files; "
                              "clear --output-dir once before starting the replicas")
+    if args.writer_threads is not None and not 1 <= args.writer_threads <= 64:
+        raise cli.UsageError(f"--writer-threads {args.writer_threads}: use 1 to 64")
     if args.verify and args.shard:
         raise cli.UsageError("--verify checks all shards at once; drop --shard")
     return args
@@ -95,8 +99,9 @@ def main():
                        total_tokens=sum(len(rows[i]) for i in todo))
         # a GPU needs several writer threads to keep up; on CPU one, at low priority, next to the vLLM engine
         on_gpu = plan["device"] != "CPU"
+        threads = args.writer_threads or (4 if on_gpu else 1)
         failed, tokens, secs, stopped = extraction.run(backend, rows, todo, out, args, n_states, hidden, bar,
-                                                       writer_threads=4 if on_gpu else 1,
+                                                       writer_threads=threads,
                                                        background_writer=args.backend == "vllm" and not on_gpu)
         bar.close()
         if args.backend == "vllm":

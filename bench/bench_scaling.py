@@ -11,6 +11,7 @@ Prints a markdown table and one RESULT line (JSON); writes a two-panel plot.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,7 +71,6 @@ def main():
         n, seq = map(int, p.split("x"))
         rows.append(point(work, n, seq, a.batch_size))
         print(json.dumps(rows[-1]), flush=True)
-        import shutil
         shutil.rmtree(f"{work}/hs_{n}x{seq}", ignore_errors=True)
     print("| samples | max tokens | tokens | extract s | tok/s | wall s (with load) | peak RSS GiB | disk GB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -14,6 +14,7 @@ tokens per wall second over the whole command. Prints one RESULT line (JSON).
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,6 +24,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def timed(cmd, log, env=None):
+    # each command compiles into its own cold cache: with a shared one the second command skips the first's
+    # compilation (2 min on an H200) and the wall-time ratio measures the cache, not the trainers
+    name = os.path.splitext(os.path.basename(log))[0]
+    caches = {k: os.path.join(os.path.dirname(log), f".{k.split('_')[0].lower()}-{name}")
+              for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    for d in caches.values():
+        shutil.rmtree(d, ignore_errors=True)
+    env = dict(env or os.environ, **caches)
     t = time.time()
     with open(log, "w") as f:
         p = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env)

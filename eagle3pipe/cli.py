@@ -25,7 +25,7 @@ CONFIG_KEYS = {
     "max_seq_len": int, "num_samples": int, "seed": int, "trust_remote_code": bool, "regenerate": bool,
     "regen_temperature": float, "regen_max_tokens": int, "regen_batch_size": int, "regen_tp_size": int,
     "tp_size": int, "batch_size": int, "gpu_memory_utilization": float, "layer_ids": list,
-    "backend": str, "max_tokens_per_batch": int, "storage_dtype": str,
+    "backend": str, "max_tokens_per_batch": int, "storage_dtype": str, "writer_threads": int,
     "draft_vocab_size": int,
     "epochs": int, "lr": float, "max_steps": int, "total_seq_len": int, "num_layers": int,
     "ttt_steps": int, "device": str, "checkpoint_freq": float, "log_every": int, "warmup_steps": int,

@@ -3,7 +3,8 @@ answers (on-policy data, as in the EAGLE-3 paper). User and system turns are kep
 
 Turn by turn: round k asks the verifier, through vLLM, for the k-th assistant turn of every conversation, given
 the conversation up to it with the turns already regenerated. A conversation whose prompt reaches --max-seq-len
-is cut there (the rest would be truncated anyway). Answers are appended to `<output-dir>.regenerating.jsonl` after
+is cut there (the rest would be truncated anyway). Assistant turns that open a conversation, before any user or
+system turn, answer nothing and are dropped (counted in the manifest). Answers are appended to `<output-dir>.regenerating.jsonl` after
 every chunk of --regen-batch-size prompts: a killed run keeps them and a rerun with the same settings asks only for
 the rest. On success the file lands in the output folder as `regenerated.jsonl`.
 """
@@ -57,10 +58,15 @@ def run(records, tok, args):
     """[(id, messages)] -> (the same with assistant turns regenerated, counts). Resumable (see above)."""
     settings, path = _settings(args), cache_path(args.output_dir)
     done = load_cache(path, settings)
-    convs = [[dict(m) for m in msgs] for _, msgs in records]
+    convs, lead = [], 0
+    for _, msgs in records:
+        # an assistant turn that opens the conversation answers nothing: the verifier would never say it
+        k = next((m for m, x in enumerate(msgs) if x["role"] != "assistant"), len(msgs))
+        lead += k
+        convs.append([dict(m) for m in msgs[k:]])
     ids = [rid for rid, _ in records]
     cut = {}  # conversation -> index of the first message dropped (its prompt reached --max-seq-len)
-    counts = {"turns_regenerated": 0, "turns_from_cache": 0, "conversations_cut": 0}
+    counts = {"turns_regenerated": 0, "turns_from_cache": 0, "conversations_cut": 0, "opening_turns_dropped": lead}
     llm, turn = None, 0
     while True:
         todo, active = [], False  # (conversation, message index, prompt ids) of each turn-th assistant message

@@ -22,6 +22,11 @@ def test_regenerate_resumes_after_a_kill(model_path, tokenizer, tmp_path):
                 {"role": "assistant", "content": f"ORIGINAL ANSWER {k}a"},
                 {"role": "user", "content": "And a fruit?"},
                 {"role": "assistant", "content": f"ORIGINAL ANSWER {k}b"}]}) + "\n")
+        # ShareGPT has conversations that open with the assistant: that turn answers nothing and is dropped
+        f.write(json.dumps({"messages": [
+            {"role": "assistant", "content": "ORIGINAL GREETING"},
+            {"role": "user", "content": "Name an animal."},
+            {"role": "assistant", "content": "ORIGINAL ANSWER 4a"}]}) + "\n")
     out = tmp_path / "prep"
     argv = ["01_prepare_dataset.py", "--model-path", model_path, "--dataset", str(data), "--output-dir", str(out),
             "--max-seq-len", "256", "--regenerate", "--regen-max-tokens", "12", "--regen-batch-size", "2"]
@@ -40,12 +45,13 @@ def test_regenerate_resumes_after_a_kill(model_path, tokenizer, tmp_path):
 
     p, _ = run_script(*argv)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "regenerated 4 assistant turns (4 from an earlier run)" in p.stderr, p.stderr
+    assert "regenerated 5 assistant turns (4 from an earlier run)" in p.stderr, p.stderr
     m = json.load(open(out / "manifest.json"))
-    assert m["regenerated"]["turns_regenerated"] == 4 and m["regenerated"]["turns_from_cache"] == 4
+    assert m["regenerated"]["turns_regenerated"] == 5 and m["regenerated"]["turns_from_cache"] == 4
+    assert m["regenerated"]["opening_turns_dropped"] == 1
     assert m["regenerated"]["settings"]["max_tokens"] == 12 and not cache.exists()
     answers = [json.loads(l) for l in open(out / "regenerated.jsonl")]
-    assert sorted((a["id"], a["turn"]) for a in answers) == [(f"row{k}", t) for k in range(4) for t in (0, 1)]
+    assert sorted((a["id"], a["turn"]) for a in answers) == [(f"row{k}", t) for k in range(4) for t in (0, 1)] + [("row4", 0)]
     for line in open(out / "tokenized_data.jsonl"):  # the loss covers the verifier's answers, not the originals
         r = json.loads(line)
         trained = tokenizer.decode([t for t, m in zip(r["input_ids"], r["loss_mask"]) if m])

@@ -59,14 +59,16 @@ def test_shard_flag_refusals(prep, model_path, tmp_path):
             (["--shard", "2/2"], ["--shard", "0 <= I < N"]),
             (["--shard", "one"], ["--shard", "I/N"]),
             (["--shard", "0/2", "--overwrite"], ["--overwrite with --shard"]),
-            (["--shard", "0/2", "--verify"], ["--verify", "drop --shard"])):
+            (["--shard", "0/2", "--verify"], ["--verify", "drop --shard"]),
+            (["--writer-threads", "0"], ["--writer-threads 0", "1 to 64"])):
         assert_refused(*run_script(*base, *extra), *words)
     assert not (tmp_path / "hs").exists()
 
 
 def test_fp8_storage_halves_the_disk_and_trains(prep, hf_out, model_path, tmp_path):
     out = tmp_path / "fp8"
-    p, _ = extract(model_path, prep, out, "--backend", "hf", "--storage-dtype", "fp8")
+    # three writer threads on CPU (default one): the files are the same whichever thread writes them
+    p, _ = extract(model_path, prep, out, "--backend", "hf", "--storage-dtype", "fp8", "--writer-threads", "3")
     assert p.returncode == 0, p.stderr
     m, m16 = json.load(open(out / "manifest.json")), json.load(open(hf_out / "manifest.json"))
     assert m["storage_dtype"] == "fp8" and m["counts"]["bytes"] < 0.6 * m16["counts"]["bytes"]
