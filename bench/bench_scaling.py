@@ -2,6 +2,7 @@
 vLLM backend, the embedded SmolLM2 and ShareGPT).
 
     .venv/bin/python bench/bench_scaling.py [--points 100x2048,300x2048,1000x2048,300x512,300x1024] [--plot docs/scaling.png]
+    .venv/bin/python bench/bench_scaling.py --replot LOG     # redraw the plot from a run's printed output
 
 For each point NxL: stage 01 on the first N conversations truncated to L tokens, then stage 02 in its own process,
 while this script samples the resident memory of stage 02's whole process tree (the engine runs in child processes)
@@ -52,10 +53,29 @@ def point(work, n, seq, batch_size):
     if proc.returncode:
         raise SystemExit(f"stage 02 failed at {n}x{seq}")
     m = json.load(open(f"{hs}/manifest.json"))
-    return {"samples": m["counts"]["rows"], "max_seq_len": seq, "tokens": m["counts"]["tokens_extracted"],
+    return {"requested": n, "samples": m["counts"]["rows"], "max_seq_len": seq, "tokens": m["counts"]["tokens_extracted"],
             "extract_s": m["throughput"]["seconds"], "tok_s": m["throughput"]["tokens_per_s"],
             "wall_s": round(time.time() - t0, 1), "peak_rss_gib": round(peak / 2**30, 2),
             "disk_gb": round(m["counts"]["bytes"] / 1e9, 3)}
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    # left: the points of 300 requested conversations (fewer rows survive truncation); right: those at 2,048 tokens
+    for ax, (key, label) in zip(axes, (("max_seq_len", "max tokens per sample"), ("samples", "samples (rows)"))):
+        fixed = [r for r in rows if (r["requested"] == 300 if key == "max_seq_len" else r["max_seq_len"] == 2048)]
+        fixed.sort(key=lambda r: r[key])
+        x = [r[key] for r in fixed]
+        ax.plot(x, [r["extract_s"] for r in fixed], "o-", label="extract s")
+        ax.plot(x, [r["disk_gb"] * 100 for r in fixed], "s-", label="disk GB x100")
+        ax.plot(x, [r["peak_rss_gib"] * 100 for r in fixed], "^-", label="peak RSS GiB x100")
+        ax.set(xlabel=label, title=f"stage 02 on CPU vs {label}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def main():
@@ -64,7 +84,13 @@ def main():
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--work-dir", default=None)
     ap.add_argument("--plot", default=os.path.join(REPO, "docs", "scaling.png"))
+    ap.add_argument("--replot", metavar="LOG", help="only redraw the plot from an earlier run's output")
     a = ap.parse_args()
+    if a.replot:
+        rows = json.loads(next(l for l in open(a.replot) if l.startswith("RESULT "))[7:])
+        for r, p in zip(rows, a.points.split(",")):  # runs before "requested" was recorded: the points' order
+            r.setdefault("requested", int(p.split("x")[0]))
+        return plot(rows, a.plot)
     work = a.work_dir or tempfile.mkdtemp(prefix="scaling-")
     rows = []
     for p in a.points.split(","):
@@ -77,21 +103,7 @@ def main():
     for r in rows:
         print(f"| {r['samples']} | {r['max_seq_len']} | {r['tokens']:,} | {r['extract_s']:.0f} | {r['tok_s']:,.0f} | "
               f"{r['wall_s']:.0f} | {r['peak_rss_gib']} | {r['disk_gb']} |")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, (key, label) in zip(axes, (("max_seq_len", "max tokens per sample"), ("samples", "samples"))):
-        fixed = [r for r in rows if (r["samples"] == 300 if key == "max_seq_len" else r["max_seq_len"] == 2048)]
-        fixed.sort(key=lambda r: r[key])
-        x = [r[key] for r in fixed]
-        ax.plot(x, [r["extract_s"] for r in fixed], "o-", label="extract s")
-        ax.plot(x, [r["disk_gb"] * 100 for r in fixed], "s-", label="disk GB x100")
-        ax.plot(x, [r["peak_rss_gib"] * 100 for r in fixed], "^-", label="peak RSS GiB x100")
-        ax.set(xlabel=label, title=f"stage 02 on CPU vs {label}")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(a.plot, dpi=100)
+    plot(rows, a.plot)
     print("RESULT " + json.dumps(rows))
 
 
