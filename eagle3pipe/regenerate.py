@@ -6,7 +6,8 @@ the conversation up to it with the turns already regenerated. A conversation who
 is cut there (the rest would be truncated anyway). Assistant turns that open a conversation, before any user or
 system turn, answer nothing and are dropped (counted in the manifest). Answers are appended to
 `<output-dir>.regenerating.jsonl` after every chunk of --regen-batch-size prompts: a killed run keeps them
-and a rerun with the same settings asks only for the rest. On success the file lands in the output folder as `regenerated.jsonl`.
+and a rerun with the same settings asks only for the rest. On success the file lands in the output folder as
+`regenerated.jsonl`.
 """
 import json
 import logging
