@@ -14,6 +14,7 @@ import logging
 import os
 
 from . import faults
+from .preflight import visible_gpus
 
 log = logging.getLogger("eagle3")
 
@@ -45,7 +46,6 @@ def load_cache(path, settings):
 
 def _engine(args):
     from .backends import cpu_vllm_env
-    from .preflight import visible_gpus
     on_gpu = bool(visible_gpus())
     if not on_gpu:
         cpu_vllm_env()
@@ -69,6 +69,7 @@ def run(records, tok, args):
     cut = {}  # conversation -> index of the first message dropped (its prompt reached --max-seq-len)
     counts = {"turns_regenerated": 0, "turns_from_cache": 0, "conversations_cut": 0, "opening_turns_dropped": lead}
     llm, turn = None, 0
+    on_gpu = bool(visible_gpus())
     while True:
         todo, active = [], False  # (conversation, message index, prompt ids) of each turn-th assistant message
         for j, msgs in enumerate(convs):
@@ -94,7 +95,11 @@ def run(records, tok, args):
             log.info(f"regenerating assistant turn {turn + 1} of {len(todo)} conversations")
             for start in range(0, len(todo), args.regen_batch_size):
                 chunk = todo[start:start + args.regen_batch_size]
-                params = [SamplingParams(temperature=args.regen_temperature, seed=args.seed + j * 1009 + turn,
+                # a seed per conversation and turn makes a sampled answer independent of its batch, but vLLM
+                # rewinds that generator after a chunked prefill, which CPU generators cannot do (the engine dies:
+                # "CPU Generator does not use offset"); on CPU the engine's seed alone drives the sampling
+                params = [SamplingParams(temperature=args.regen_temperature,
+                                         seed=args.seed + j * 1009 + turn if on_gpu else None,
                                          max_tokens=min(args.regen_max_tokens, args.max_seq_len - len(p) - 1))
                           for j, _, p in chunk]
                 outs = llm.generate([{"prompt_token_ids": p} for _, _, p in chunk], params, use_tqdm=False)
