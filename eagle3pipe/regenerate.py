@@ -44,9 +44,8 @@ def load_cache(path, settings):
     return done
 
 
-def _engine(args):
+def _engine(args, on_gpu):
     from .backends import cpu_vllm_env
-    on_gpu = bool(visible_gpus())
     if not on_gpu:
         cpu_vllm_env()
     from vllm import LLM
@@ -91,7 +90,7 @@ def run(records, tok, args):
             break
         if todo:
             from vllm import SamplingParams
-            llm = llm or _engine(args)
+            llm = llm or _engine(args, on_gpu)
             log.info(f"regenerating assistant turn {turn + 1} of {len(todo)} conversations")
             for start in range(0, len(todo), args.regen_batch_size):
                 chunk = todo[start:start + args.regen_batch_size]
