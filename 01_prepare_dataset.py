@@ -15,15 +15,18 @@ Selection: the first --num-samples records of the source (so records after them 
 stage 05), written in an order shuffled by --seed. Every assistant turn is trained.
 --regenerate: the verifier first rewrites every assistant turn through vLLM (eagle3pipe/regenerate.py), resumably;
          its answers also land in --output-dir/regenerated.jsonl.
+The output folder must be new, empty or an earlier stage 01 output: only this stage's own files are replaced.
 """
 import collections
 import hashlib
 import json
 import os
 import random
-import shutil
 
-from eagle3pipe import cli, conversations, files, verifier
+from eagle3pipe import cli, conversations, files, outdir, regenerate, verifier
+
+OWNED = outdir.Owned(["tokenized_data.jsonl", "token_freq.npy", files.MANIFEST, "regenerated.jsonl",
+                      ".regenerating.jsonl"])
 
 
 def parse_args(argv=None):
@@ -44,11 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--regen-batch-size", type=int, default=64,
                    help="prompts per vLLM call; answers are saved after each call (what a killed run keeps)")
     p.add_argument("--regen-tp-size", type=int, default=1, help="tensor-parallel GPUs for --regenerate")
-    args = cli.parse_args(p, "prepare", argv, required=["model_path"], aliases={"prepared_data": "output_dir"})
-    cli.at_least(args, max_seq_len=2, num_samples=1, regen_max_tokens=1, regen_batch_size=1, regen_tp_size=1)
-    if args.regen_temperature < 0:
-        raise cli.UsageError(f"--regen-temperature {args.regen_temperature}: must be >= 0")
-    return args
+    return cli.parse_args(p, "prepare", argv, required=["model_path"])
 
 
 def read_conversations(args, log):
@@ -78,9 +77,12 @@ def main():
     args = parse_args()
     log = cli.setup_logging()
     fp = verifier.fingerprint(args.model_path)
+    verifier.check_remote_code(args.model_path, args.trust_remote_code)
     conversations.check_dataset(args.dataset)
-    files.check_output_dir("--output-dir", args.output_dir, "prepare")
+    inputs = [("--model-path", args.model_path), ("--dataset", args.dataset)]
+    outdir.check("--output-dir", args.output_dir, "prepare", OWNED, inputs)
     records, n_read, skipped, info = read_conversations(args, log)
+    out = outdir.claim("--output-dir", args.output_dir, "prepare", OWNED, inputs)  # held until the process exits
 
     import numpy as np
     from eagle3pipe import masks
@@ -88,9 +90,8 @@ def main():
     tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
     regen = None
     if args.regenerate:
-        from eagle3pipe import regenerate
-        records, counts_regen = regenerate.run(records, tok, args)
-        regen = {"settings": regenerate._settings(args), **counts_regen}
+        records, counts_regen, answers = regenerate.run(records, tok, args, out)
+        regen = {"settings": regenerate.settings_of(args), **counts_regen}
         log.info(f"regenerated {counts_regen['turns_regenerated']:,} assistant turns "
                  f"({counts_regen['turns_from_cache']:,} from an earlier run)")
     vocab = fp["vocab_size"]
@@ -129,22 +130,25 @@ def main():
     stats = {"records_read": n_read, "rows": len(rows), "skipped": dict(skipped), "tokens": tokens,
              "loss_tokens": int(freq.sum()), "max_row_tokens": max(len(r["input_ids"]) for r in rows),
              "max_token_id": max(max(r["input_ids"]) for r in rows), **counts}
-    with files.staged_dir(args.output_dir) as out:
-        digest = hashlib.sha256()
-        with open(os.path.join(out, "tokenized_data.jsonl"), "w", encoding="utf-8") as f:
-            for r in rows:
-                line = json.dumps(r, separators=(",", ":")) + "\n"
-                digest.update(line.encode())
-                f.write(line)
-        np.save(os.path.join(out, "token_freq.npy"), freq)
-        if regen:  # the verifier's answers, for inspection and for a rerun's cache
-            shutil.copy(regenerate.cache_path(args.output_dir), os.path.join(out, "regenerated.jsonl"))
-        # content_id: later stages key their resume on what the rows are, not on when they were written
-        files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
-            "prepare", args, content_id=digest.hexdigest()[:16], verifier=fp, source=dict(info), counts=stats,
-            regenerated=regen))
-    if regen:
-        os.remove(regenerate.cache_path(args.output_dir))
+    files.begin_output(out)
+    digest = hashlib.sha256()
+    with files.atomic_path(os.path.join(out, "tokenized_data.jsonl")) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            line = json.dumps(r, separators=(",", ":")) + "\n"
+            digest.update(line.encode())
+            f.write(line)
+    files.save_npy(os.path.join(out, "token_freq.npy"), freq)
+    regen_file = os.path.join(out, "regenerated.jsonl")
+    if regen:  # the verifier's answers, for inspection and for a rerun's cache
+        with files.atomic_path(regen_file) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(a) + "\n" for a in answers)
+    for stale in ([regen_file] if not regen else []) + [regenerate.cache_path(out)]:
+        if os.path.exists(stale):
+            os.remove(stale)  # an earlier run's, listed in OWNED
+    # content_id: later stages key their resume on what the rows are, not on when they were written
+    files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
+        "prepare", args, content_id=digest.hexdigest()[:16], verifier=fp, source=dict(info), counts=stats,
+        regenerated=regen))
     log.info(f"wrote {len(rows)} rows, {tokens:,} tokens ({stats['loss_tokens']:,} trained, "
              f"{stats['loss_tokens'] / tokens:.1%}) to {args.output_dir}; skipped {sum(skipped.values())} "
              f"{dict(skipped)}; truncated {counts['truncated']}")

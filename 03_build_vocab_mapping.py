@@ -10,11 +10,14 @@ Outputs: --output-dir (default data/vocab_map_<K>: the name carries the size, so
            d2t.npy   int64 [K]  draft id i -> verifier id i + d2t[i]  (what vLLM and speculators use)
            t2d.npy   bool  [V]  True where a verifier token is in the draft vocab
            manifest.json        arguments, verifier fingerprint, coverage, versions, command
-Prints the fraction of loss-masked training tokens the draft vocab covers.
+Prints the fraction of loss-masked training tokens the draft vocab covers. The output folder must be new, empty or an
+earlier stage 03 output: only this stage's own files are replaced.
 """
 import os
 
-from eagle3pipe import cli, files
+from eagle3pipe import cli, files, outdir
+
+OWNED = outdir.Owned(["d2t.npy", "t2d.npy", files.MANIFEST])
 
 
 def parse_args(argv=None):
@@ -22,17 +25,19 @@ def parse_args(argv=None):
     p.add_argument("--prepared-data", default="data/prepared", help="stage 01 output folder")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="K: tokens in the draft vocab")
     p.add_argument("--output-dir", default=None, help="output folder (default: data/vocab_map_<K>)")
-    args = cli.parse_args(p, "vocab", argv, aliases={"vocab_mapping": "output_dir"})
-    if args.output_dir is None:
-        args.output_dir = f"data/vocab_map_{args.draft_vocab_size}"
-    return args
+
+    def derive(ns):
+        if ns.output_dir is None:
+            ns.output_dir = f"data/vocab_map_{ns.draft_vocab_size}"
+    return cli.parse_args(p, "vocab", argv, derive=derive)
 
 
 def main():
     args = parse_args()
     log = cli.setup_logging()
     prep = files.load_stage("--prepared-data", args.prepared_data, "prepare")
-    files.check_output_dir("--output-dir", args.output_dir, "vocab")
+    inputs = [("--prepared-data", args.prepared_data)]
+    outdir.check("--output-dir", args.output_dir, "vocab", OWNED, inputs)
     vocab = prep["verifier"]["vocab_size"]
     if not 1 <= args.draft_vocab_size <= vocab:
         raise cli.UsageError(f"--draft-vocab-size {args.draft_vocab_size}: must be between 1 and the verifier "
@@ -50,14 +55,15 @@ def main():
                              f"rerun 01_prepare_dataset.py")
     d2t, t2d, coverage = build_mapping(freq, args.draft_vocab_size)
 
-    with files.staged_dir(args.output_dir) as out:
-        np.save(os.path.join(out, "d2t.npy"), d2t)
-        np.save(os.path.join(out, "t2d.npy"), t2d)
-        files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
-            "vocab", args, content_id=files.content_id([d2t.tolist(), prep["content_id"]]), verifier=prep["verifier"], prepared_data=os.path.abspath(args.prepared_data),
-            counts={"verifier_vocab_size": vocab, "draft_vocab_size": args.draft_vocab_size,
-                    "tokens_seen": int((freq > 0).sum()), "loss_tokens": int(freq.sum()),
-                    "coverage": coverage}))
+    out = outdir.claim("--output-dir", args.output_dir, "vocab", OWNED, inputs)
+    files.begin_output(out)
+    files.save_npy(os.path.join(out, "d2t.npy"), d2t)
+    files.save_npy(os.path.join(out, "t2d.npy"), t2d)
+    files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
+        "vocab", args, content_id=files.content_id([d2t.tolist(), prep["content_id"]]), verifier=prep["verifier"],
+        prepared_data=os.path.abspath(args.prepared_data),
+        counts={"verifier_vocab_size": vocab, "draft_vocab_size": args.draft_vocab_size,
+                "tokens_seen": int((freq > 0).sum()), "loss_tokens": int(freq.sum()), "coverage": coverage}))
     log.info(f"draft vocab {args.draft_vocab_size:,} of {vocab:,} verifier tokens ({int((freq > 0).sum()):,} "
              f"seen in training) covers {coverage:.2%} of the {int(freq.sum()):,} loss-masked tokens -> "
              f"{args.output_dir}")

@@ -17,7 +17,7 @@ Trainer run on CPU (eager loss, sdpa attention).
 import json
 import os
 
-from eagle3pipe import cli, files, verifier
+from eagle3pipe import cli, files, outdir, verifier
 
 
 def parse_args(argv=None):
@@ -46,15 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="delete previous checkpoints in --output-dir first")
-    args = cli.parse_args(p, "train", argv, required=["model_path"], aliases={"checkpoint_dir": "output_dir"})
-    cli.at_least(args, epochs=1, total_seq_len=16, num_layers=1, ttt_steps=1, log_every=1, max_steps=1)
-    if not 0 < args.lr < 1:
-        raise cli.UsageError(f"--lr {args.lr}: must be in (0, 1)")
-    if not 0 < args.val_ratio < 1:
-        raise cli.UsageError(f"--val-ratio {args.val_ratio}: must be in (0, 1)")
-    if args.checkpoint_freq <= 0:
-        raise cli.UsageError(f"--checkpoint-freq {args.checkpoint_freq}: must be positive")
-    return args
+    return cli.parse_args(p, "train", argv, required=["model_path"])
 
 
 def main():
@@ -62,8 +54,11 @@ def main():
     log = cli.setup_logging()
     from eagle3pipe import training
     fp = verifier.fingerprint(args.model_path)
-    files.check_output_dir("--output-dir", args.output_dir, "train")
+    inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data),
+              ("--hidden-states", args.hidden_states), ("--vocab-mapping", args.vocab_mapping)]
     rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        outdir.check("--output-dir", args.output_dir, "train", training.owned(args.epochs), inputs)
     # rank 0 reads every file against its checksum; the other ranks wait for its bridge
     prep, ext, voc, rows, failed = training.check_inputs(args, fp, verify_data=rank == 0)
     if max(len(r[0]) for r in rows) > args.total_seq_len:
@@ -71,8 +66,7 @@ def main():
                              f"({max(len(r[0]) for r in rows)} tokens); raise it")
     identity = {"prepared": prep["content_id"], "extract": ext["content_id"], "vocab": voc["content_id"],
                 "num_layers": args.num_layers, "ttt_steps": args.ttt_steps}
-    out = os.path.abspath(args.output_dir)
-    training.prepare_output(out, identity, args.overwrite, rank)
+    out = training.prepare_output(args, identity, inputs, rank)  # rank 0 holds the folder's lock from here on
 
     import torch
     on_cpu = args.device == "cpu" or (args.device == "auto" and torch.accelerator.current_accelerator() is None)

@@ -16,7 +16,9 @@ without a draft, so equality is only meaningful one prompt at a time.
 import json
 import os
 
-from eagle3pipe import cli, conversations, files, verifier
+from eagle3pipe import cli, conversations, files, outdir, verifier
+
+OWNED = outdir.Owned(["report.json", "acceptance.png", files.MANIFEST])
 
 
 def parse_args(argv=None):
@@ -33,26 +35,26 @@ def parse_args(argv=None):
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--output-dir", default="data/eval", help="stage 05 output folder")
     p.add_argument("--trust-remote-code", action="store_true")
-    args = cli.parse_args(p, "evaluate", argv, required=["model_path"], aliases={"eval_dir": "output_dir"})
-    cli.at_least(args, num_prompts=1, num_speculative_tokens=1, max_new_tokens=1, tp_size=1)
-    if not args.batch_sizes or min(args.batch_sizes) < 1:
-        raise cli.UsageError(f"--batch-sizes {args.batch_sizes}: give positive sizes, e.g. 1,8")
-    return args
+    return cli.parse_args(p, "evaluate", argv, required=["model_path"])
 
 
 def main():
     args = parse_args()
     log = cli.setup_logging()
-    from eagle3pipe import evaluation, preflight
+    from eagle3pipe import engine, evaluation
     fp = verifier.fingerprint(args.model_path)
     evaluation.check_draft(args.draft, fp)
-    files.check_output_dir("--output-dir", args.output_dir, "evaluate")
     conversations.check_dataset(args.prompts, "--prompts")
+    inputs = [("--model-path", args.model_path), ("--draft", args.draft), ("--prompts", args.prompts)]
+    outdir.check("--output-dir", args.output_dir, "evaluate", OWNED, inputs)
     skip = 0
     prep = files.read_manifest(args.prepared_data) if os.path.isdir(args.prepared_data) else None
-    if prep and prep.get("stage") == "prepare" and prep["args"].get("dataset") == args.prompts:
-        skip = prep["counts"]["records_read"]  # the records stage 01 used: never evaluate on training data
+    if prep and prep.get("stage") == "prepare":
+        prep = files.load_stage("--prepared-data", args.prepared_data, "prepare")
+        if prep["args"].get("dataset") == args.prompts:
+            skip = prep["counts"]["records_read"]  # the records stage 01 used: never evaluate on training data
     prompts = evaluation.select_prompts(args, skip)
+    out = outdir.claim("--output-dir", args.output_dir, "evaluate", OWNED, inputs)
     log.info(f"{len(prompts)} prompts from {args.prompts} (after the first {skip} records)")
 
     from eagle3pipe.masks import load_tokenizer
@@ -60,12 +62,9 @@ def main():
     ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
            for p in prompts]
     max_len = max(len(i) for i in ids) + args.max_new_tokens + args.num_speculative_tokens + 8
-    gpus = preflight.visible_gpus()
-    if not gpus:
-        from eagle3pipe.backends import cpu_vllm_env
-        cpu_vllm_env()
+    gpus = engine.visible_gpus()
     sizes = sorted(set([1] + args.batch_sizes))
-    common = dict(max_model_len=max_len, on_gpu=bool(gpus), tp=args.tp_size)
+    common = dict(max_model_len=max_len, on_gpu=bool(gpus), tp=args.tp_size, trust_remote_code=args.trust_remote_code)
     base = evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, **common)
     spec = evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, draft=os.path.abspath(args.draft),
                                  k=args.num_speculative_tokens, **common)
@@ -79,11 +78,12 @@ def main():
     }
     metrics_path = os.path.join(os.path.dirname(os.path.realpath(args.draft)), "logs", "metrics.jsonl")
     train_metrics = [json.loads(l) for l in open(metrics_path)] if os.path.isfile(metrics_path) else []
-    with files.staged_dir(args.output_dir) as out:
-        files.write_json(os.path.join(out, "report.json"), report)
-        evaluation.plot(report, train_metrics, os.path.join(out, "acceptance.png"))
-        files.write_json(os.path.join(out, files.MANIFEST), files.manifest("evaluate", args, verifier=fp,
-                         draft=os.path.realpath(args.draft), skipped_records=skip, report=report))
+    files.begin_output(out)
+    files.write_json(os.path.join(out, "report.json"), report)
+    with files.atomic_path(os.path.join(out, "acceptance.png")) as tmp:
+        evaluation.plot(report, train_metrics, tmp)
+    files.write_json(os.path.join(out, files.MANIFEST), files.manifest("evaluate", args, verifier=fp,
+                     draft=os.path.realpath(args.draft), skipped_records=skip, report=report))
     print(f"\n{'batch':>5} {'accept len':>10} {'per-position acceptance':>26} {'tok/s base':>10} {'tok/s spec':>10} "
           f"{'speed-up':>8}")
     for b in sizes:

@@ -27,7 +27,7 @@ MODEL = os.path.join(REPO, "data", "models", "smollm2-135m-instruct")
 def bare_prefill(prep, batch_size, max_seq_len):
     """In a fresh process (vLLM's engine does not shut down cleanly in-process): tokens/s of a bare prefill."""
     sys.path.insert(0, REPO)
-    from eagle3pipe.backends import cpu_vllm_env
+    from eagle3pipe.engine import cpu_vllm_env
     from eagle3pipe.extraction import make_batches
     cpu_vllm_env()
     from vllm import LLM, SamplingParams

@@ -124,40 +124,29 @@ class HFBackend:
             self.torch.cuda.empty_cache()
 
 
-def cpu_vllm_env():
-    """vLLM-CPU settings (DESIGN.md §4): use every core for the worker, none reserved for busy polling."""
-    n = os.cpu_count() or 1
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-
-
 class VLLMBackend:
     """The offline vllm.LLM API with the `extract_hidden_states` method and the hidden-states KV connector: a
     prompt's states are written to `staging` by the engine; the run loop validates and renames them."""
 
-    def __init__(self, model_path, layer_ids, args, staging, on_gpu):
+    def __init__(self, s, layer_ids, staging, on_gpu):
+        """`s`: stage 02's settings (settings.Extract)."""
         if not on_gpu:
-            cpu_vllm_env()
             import torch
             torch.set_num_threads(1)  # this process only validates and writes files: leave the cores to the engine
-        # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
+        from .engine import make_llm
         connector = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                      "kv_connector_extra_config": {"shared_storage_path": staging}}
         if not on_gpu:  # the stock connector's asynchronous copy needs CUDA streams and pinned memory
             connector = {"kv_connector": "CPUHiddenStatesConnector", "kv_role": "kv_producer",
                          "kv_connector_module_path": "eagle3pipe.cpu_connector",
                          "kv_connector_extra_config": {"shared_storage_path": staging}}
-        budget = args.max_tokens_per_batch or args.batch_size * args.max_seq_len
-        self.llm = LLM(
-            model=model_path, tensor_parallel_size=args.tp_size, dtype="bfloat16",
-            max_model_len=args.max_seq_len + 1,  # the prompt plus the one generated token
-            max_num_seqs=args.batch_size, max_num_batched_tokens=max(budget, args.max_seq_len + 1),
-            gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
-            enforce_eager=not on_gpu, trust_remote_code=args.trust_remote_code,
+        budget = s.max_tokens_per_batch or s.batch_size * s.max_seq_len
+        self.llm = make_llm(
+            s.model_path, tp=s.tp_size, on_gpu=on_gpu, trust_remote_code=s.trust_remote_code,
+            max_model_len=s.max_seq_len + 1,  # the prompt plus the one generated token
+            max_num_seqs=s.batch_size, max_num_batched_tokens=max(budget, s.max_seq_len + 1),
+            gpu_memory_utilization=s.gpu_memory_utilization, enable_prefix_caching=False,
             speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
             kv_transfer_config=connector)

@@ -2,9 +2,10 @@
 
 - `Parser`: argparse with no abbreviations (so `--batch` never silently means `--batch-size`), one-line
   errors (`error: ...`, exit 2) and a "did you mean" for misspelled flags.
-- `parse_args`: `--config configs/X.yaml` gives defaults, explicit flags win. A config file is one flat
-  mapping shared by every stage, plus optional per-stage sections (`prepare:`, `extract:`, `vocab:`,
-  `train:`, `evaluate:`) that override it. Unknown keys and wrong types are refused.
+- `parse_args`: `--config configs/X.yaml` gives defaults, explicit flags win; returns the stage's frozen record
+  (settings.py). A config file is one flat mapping shared by every stage, plus optional per-stage sections
+  (`prepare:`, `extract:`, `vocab:`, `train:`, `evaluate:`) that override it. Unknown keys, keys a section's stage
+  does not take, keys given twice and wrong types are refused.
 - `UsageError` + `run`: any validation failure anywhere becomes one line on stderr and exit code 2.
 Nothing here imports torch.
 """
@@ -14,27 +15,6 @@ import logging
 import os
 import re
 import sys
-
-SECTIONS = ("prepare", "extract", "vocab", "train", "evaluate")
-
-# Every key a config file may hold, with its type. One place, so a typo in a config is an error, not a
-# silently ignored default. tests/test_configs.py checks this against every script's flags.
-CONFIG_KEYS = {
-    "model_path": str, "dataset": str, "split": str, "prepared_data": str, "hidden_states": str,
-    "vocab_mapping": str, "checkpoint_dir": str, "eval_dir": str,
-    "max_seq_len": int, "num_samples": int, "seed": int, "trust_remote_code": bool, "regenerate": bool,
-    "regen_temperature": float, "regen_max_tokens": int, "regen_batch_size": int, "regen_tp_size": int,
-    "tp_size": int, "batch_size": int, "gpu_memory_utilization": float, "layer_ids": list,
-    "backend": str, "max_tokens_per_batch": int, "storage_dtype": str, "writer_threads": int,
-    "draft_vocab_size": int,
-    "epochs": int, "lr": float, "max_steps": int, "total_seq_len": int, "num_layers": int,
-    "ttt_steps": int, "device": str, "checkpoint_freq": float, "log_every": int, "warmup_steps": int,
-    "val_ratio": float, "num_workers": int, "fsdp": bool, "draft": str,
-    "loss_implementation": str,
-    "prompts": str, "num_prompts": int, "num_speculative_tokens": int, "max_new_tokens": int,
-    "batch_sizes": list,
-}
-
 
 class UsageError(Exception):
     """A problem the operator fixes by changing a flag, a file or a record. Printed as one line, exit 2."""
@@ -96,14 +76,6 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def at_least(args, **minimums):
-    """Refuse any of the named flags below its minimum: at_least(args, epochs=1, max_seq_len=2)."""
-    for dest, lo in minimums.items():
-        v = getattr(args, dest)
-        if v is not None and v < lo:
-            raise UsageError(f"--{dest.replace('_', '-')} {v}: must be at least {lo}")
-
-
 def int_list(text):
     """`2,15,27` or `2 15 27` -> [2, 15, 27]."""
     try:
@@ -120,79 +92,95 @@ def shard(text):
     return int(m.group(1)), int(m.group(2))
 
 
-def load_config(path, section):
-    """The flat keys of a YAML config plus the keys of `section`, validated against CONFIG_KEYS."""
+def _yaml_loader():
+    """yaml's SafeLoader, refusing a key given twice in one mapping (yaml itself keeps the last silently)."""
     import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key '{key}' given twice (line {key_node.start_mark.line + 1})",
+                        key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+    return Loader
+
+
+def load_config(path, section):
+    """The config keys that apply to stage `section`: the top level's keys this stage takes, then its own section's.
+    Every key anywhere is checked: a top-level key must be some stage's, a section's key that stage's, each with
+    its type; a key twice is refused. -> {record field: value}."""
+    import yaml
+    from .settings import STAGES, config_keys, kind
 
     if not os.path.isfile(path):
         raise UsageError(f"--config {path}: file not found")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise UsageError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})")
+            data = yaml.load(f, Loader=_yaml_loader()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
+        raise UsageError(f"--config {path}: not valid YAML ({' '.join(str(e).split())[:200]})")
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a mapping of keys to values at the top level")
-    flat = {}
+    keys = {s: config_keys(s) for s in STAGES}
+    anywhere = {k: v for s in STAGES for k, v in keys[s].items()}
+    out = {}
     for key, value in data.items():
-        if key in SECTIONS:
+        if key in STAGES:
             if not isinstance(value, dict):
                 raise UsageError(f"--config {path}: section '{key}' must be a mapping")
+            for k, v in value.items():
+                _check_key(path, k, v, keys[key], f"{key}.", kind)
             continue
-        flat[key] = value
-    if isinstance(data.get(section), dict):
-        flat.update(data[section])
-    for key, value in data.items():
-        if key not in SECTIONS:
-            _check_key(path, key, value)
-    for s in SECTIONS:  # keys in every section are validated, so a typo anywhere is caught
-        for key, value in (data.get(s) or {}).items():
-            _check_key(path, key, value, where=f"{s}.")
-    return flat
+        _check_key(path, key, value, anywhere, "", kind)
+        if key in keys[section] and value is not None:
+            out[keys[section][key][0]] = value
+    for k, v in (data.get(section) or {}).items():
+        if v is not None:
+            out[keys[section][k][0]] = v
+    return out
 
 
-def _check_key(path, key, value, where=""):
-    want = CONFIG_KEYS.get(key)
-    if want is None:
-        hint = difflib.get_close_matches(key, list(CONFIG_KEYS), n=1)
-        raise UsageError(f"--config {path}: unknown key '{where}{key}'"
-                         + (f" (did you mean '{hint[0]}'?)" if hint else ""))
+def _check_key(path, key, value, allowed, where, kind):
+    from .settings import _check_type
+    if key not in allowed:
+        hint = difflib.get_close_matches(str(key), [str(k) for k in allowed], n=1)
+        stage = f" (stage {where[:-1]} does not take it)" if where else ""
+        raise UsageError(f"--config {path}: unknown key '{where}{key}'{stage}"
+                         + (f"; did you mean '{hint[0]}'?" if hint else ""))
     if value is None:
         return
-    ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
-    if want is float and isinstance(value, int) and not isinstance(value, bool):
-        ok = True
-    if want is list and ok:
-        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    if not ok:
-        kind = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
-                list: "a list of integers"}[want]
-        raise UsageError(f"--config {path}: key '{where}{key}' must be {kind}, got {value!r}")
+    hint_type = allowed[key][1]
+    try:
+        _check_type(key, value, hint_type)
+    except UsageError:
+        raise UsageError(f"--config {path}: key '{where}{key}' must be {kind(hint_type)}, got {value!r}")
 
 
-def parse_args(parser, section, argv=None, required=(), aliases=None):
-    """Parse flags with `--config` defaults. `aliases` maps a config key onto this script's dest (stage
-    01's `--output-dir` defaults to the config's `prepared_data`). `required` dests must come from a flag or
-    the config."""
+def parse_args(parser, section, argv=None, required=(), derive=None):
+    """Parse flags with `--config` defaults, then build the stage's frozen, validated record (settings.py).
+    `required` dests must come from a flag or the config; `derive(namespace)` fills defaults that depend on others."""
+    from .settings import RECORDS
     parser.add_argument("--config", help="YAML file giving defaults (explicit flags win)")
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
-    if known.config:
-        values = load_config(known.config, section)
-        dests = {a.dest: a for a in parser._actions}
-        defaults = {}
-        for key, value in values.items():
-            dest = (aliases or {}).get(key, key)
-            if dest in dests and value is not None:
-                defaults[dest] = value
-        parser.set_defaults(**defaults)
+    if known.config is not None:
+        if not known.config.strip():
+            raise UsageError("--config: empty path")
+        parser.set_defaults(**load_config(known.config, section))
     args = parser.parse_args(argv)
     for dest in required:
         if getattr(args, dest) in (None, ""):
             flag = "--" + dest.replace("_", "-")
             raise UsageError(f"missing {flag} (give the flag, or '{dest}' in --config)")
-    return args
+    if derive:
+        derive(args)
+    return RECORDS[section].from_args(args)
 
 
 def setup_logging():

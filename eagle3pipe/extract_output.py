@@ -1,15 +1,23 @@
-"""Stage 02's output folder: the run's identity (refusing another run's files), --overwrite, the per-replica shard
-reports, the final check of every file and manifest.json."""
+"""Stage 02's output folder: the files it owns, the run's identity (refusing another run's files), --overwrite, the
+per-replica shard reports, the final check of every file and manifest.json."""
 import json
 import logging
 import os
-import shutil
 import time
 
-from . import cli, faults, files, verifier
+from . import cli, faults, files, outdir, verifier
+from .hidden_states import HS_NAME
 
 log = logging.getLogger("eagle3")
 SHARD_REPORT = ".shard-{}-of-{}.json"  # one per replica, written when it finishes
+INCOMING = ".incoming"  # vLLM's connector writes here (a sub-folder per process); our writer renames into place
+
+
+def owned(rows, shard=None):
+    """Every name stage 02 may write in its folder, exactly: hs_0 .. hs_{rows-1}, the manifest, the run record, the
+    engine's staging folder and, for N declared replicas, the N shard reports."""
+    reports = [SHARD_REPORT.format(k, shard[1]) for k in range(shard[1])] if shard else []
+    return outdir.Owned([files.MANIFEST, files.RUN_FILE, INCOMING, *reports], {HS_NAME: rows})
 
 
 def read_rows(jsonl, expected, vocab_size):
@@ -31,39 +39,43 @@ def read_rows(jsonl, expected, vocab_size):
 
 
 def prepare_output(args, plan):
-    """Refuse files from a different run (other layers/verifier/rows); then, unless --dry-run, create the
-    folder and honour --overwrite."""
+    """Refuse files from a different run (other layers/verifier/rows); then, unless --dry-run, take the folder
+    (outdir.claim: the lock, --overwrite) and record this run's identity. -> (identity, the real output path)."""
     out = args.output_dir
-    identity = {"verifier": {k: plan["verifier"][k] for k in verifier.IDENTITY}, "layer_ids": plan["layer_ids"],
-                "prepared": plan["prepared_manifest"]["content_id"], "rows": plan["rows"],
+    identity = {"verifier": {k: plan.verifier[k] for k in verifier.IDENTITY}, "layer_ids": plan.layer_ids,
+                "prepared": plan.prepared_manifest["content_id"], "rows": plan.rows,
                 # "bfloat16": the name folders written before fp8 existed carry, so they still resume
                 "storage_dtype": {"bf16": "bfloat16"}.get(args.storage_dtype, args.storage_dtype)}
     run_file = os.path.join(out, files.RUN_FILE)
     if not args.overwrite and os.path.isdir(out):
         old = files.read_manifest(out) or (files.read_json(run_file) if os.path.exists(run_file) else None)
-        old = old.get("identity", old) if old else None
+        old = old.get("identity", old) if isinstance(old, dict) else old
+        if old is not None and not isinstance(old, dict):
+            raise cli.UsageError(f"{run_file}: expected a JSON object; use --overwrite or another folder")
         if old and old != identity:
-            what = next(k for k in identity if old.get(k) != identity[k])
+            what = next((k for k in identity if old.get(k) != identity[k]), "identity")
             raise cli.UsageError(f"--output-dir {out}: holds hidden states of another run ({what} differs); "
                                  f"use --overwrite or another folder")
     if args.dry_run:
-        return identity
-    if args.overwrite and os.path.isdir(out):
-        for name in os.listdir(out):
-            if name.startswith(("hs_", ".hs_", ".run.json", ".incoming", ".shard-", files.MANIFEST)):
-                path = os.path.join(out, name)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        log.info(f"--overwrite: removed this stage's files from {out}")
-    os.makedirs(out, exist_ok=True)
-    files.write_json(run_file, {"stage": "extract", "identity": identity})
-    return identity
+        return identity, out
+    inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data)]
+    out = outdir.claim("--output-dir", out, "extract", owned(plan.rows, args.shard), inputs, args.shard,
+                       overwrite=args.overwrite)
+    if not args.verify:
+        files.begin_output(out)  # the manifest comes back once every row is accounted for
+    staging = os.path.join(out, INCOMING)
+    for pid in os.listdir(staging) if os.path.isdir(staging) else []:  # our engine's leftovers from dead runs
+        if not pid.isdigit() or not outdir.pid_alive(int(pid)):
+            outdir.remove_path(os.path.join(staging, pid))
+    files.write_json(os.path.join(out, files.RUN_FILE), {"stage": "extract", "identity": identity})
+    return identity, out
 
 
 def finish(args, plan, identity, rows, failed, stats):
     """Write manifest.json once every row is accounted for. A shard first writes its own report; the replica that
     completes the set (or `--verify`) checks every file of every shard and writes the folder's manifest."""
     from . import extraction
-    out, (n_states, hidden) = args.output_dir, (plan["n_states"], plan["hidden_size"])
+    out, (n_states, hidden) = args.output_dir, (plan.n_states, plan.hidden_size)
     if args.shard and not args.verify:
         i, n = args.shard
         files.write_json(os.path.join(out, SHARD_REPORT.format(i, n)), {"shard": [i, n], "identity": identity, **stats,
@@ -91,12 +103,12 @@ def finish(args, plan, identity, rows, failed, stats):
         stats = {"tokens": sum(r["tokens"] for r in reports), "seconds": max((r["seconds"] for r in reports), default=0),
                  "resumed": sum(r["resumed"] for r in reports), "shards": n} if reports else stats
     ok, tokens, secs = len(rows) - len(failed), stats["tokens"], stats["seconds"]
-    bytes_written = sum(len(rows[i]) for i in range(len(rows)) if i not in failed) * plan["disk_per_token"]
+    bytes_written = sum(len(rows[i]) for i in range(len(rows)) if i not in failed) * plan.disk_per_token
     faults.kill_point("end")
     files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
-        "extract", args, identity=identity, content_id=files.content_id(identity), verifier=plan["verifier"],
-        layer_ids=plan["layer_ids"], layer_id_convention=verifier.LAYER_ID_CONVENTION, storage_dtype=args.storage_dtype,
-        prepared_data=os.path.abspath(plan["jsonl"]),
+        "extract", args, identity=identity, content_id=files.content_id(identity), verifier=plan.verifier,
+        layer_ids=plan.layer_ids, layer_id_convention=verifier.LAYER_ID_CONVENTION, storage_dtype=args.storage_dtype,
+        prepared_data=os.path.abspath(plan.jsonl),
         counts={"rows": len(rows), "ok": ok, "failed": len(failed), "resumed": stats["resumed"],
                 "extracted": ok - stats["resumed"], "tokens_extracted": tokens, "bytes": bytes_written,
                 "shards": stats.get("shards", 1)},

@@ -12,7 +12,6 @@ import errno
 import logging
 import os
 import queue
-import re
 import signal
 import threading
 import time
@@ -47,14 +46,10 @@ def check_all(out_dir, rows, indices, n_states, hidden, workers=None):
 
 
 def scan_existing(out_dir, rows, n_states, hidden, indices=None):
-    """Rows (of `indices`, default all) whose file is valid; invalid files are removed (they will be redone)."""
+    """Rows (of `indices`, default all) whose file is valid; invalid files are removed (they will be redone). A killed
+    writer's temporary files were removed when the folder was claimed (outdir.clean_temps: only dead processes')."""
     names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
     indices = range(len(rows)) if indices is None else indices
-    mine = set(indices)
-    for n in names:  # a killed writer's temporary files (only this replica's rows: others may be writing theirs)
-        m = re.fullmatch(r"\.hs_(\d+)\.safetensors\.tmp-\d+", n)
-        if m and int(m.group(1)) in mine:
-            os.remove(os.path.join(out_dir, n))
     cand = [i for i in indices if os.path.basename(hs_path(out_dir, i)) in names]
     ok = set()
     for i, reason in check_all(out_dir, rows, cand, n_states, hidden).items():

@@ -1,8 +1,8 @@
-"""Files: atomic writes, stage output folders, manifests and the checks a stage makes on its inputs.
+"""Files: atomic writes, manifests and the checks a stage makes on its inputs' manifests.
 
-Nothing is ever half-written: a file is written under a temporary name in the same folder and renamed;
-a small stage output (stages 01 and 03) is built in a sibling staging folder and swapped in whole.
-Every stage folder holds a `manifest.json` saying which stage wrote it, with what, from what.
+Nothing is ever half-written: a file is written under a temporary name `.<name>.tmp-<pid>` in the same folder and
+renamed. A stage drops its manifest before replacing any of its files and writes it last, so a folder with a
+manifest is always complete. Which files a folder's stage owns, and the lock: outdir.py.
 """
 import contextlib
 import datetime
@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import sys
 
 from . import FORMAT_VERSION
@@ -19,7 +18,6 @@ from .cli import UsageError
 
 MANIFEST = "manifest.json"
 RUN_FILE = ".run.json"  # written when a resumable stage starts: {"stage", "identity"}
-LAUNCHER_FILES = ("extract", (".log", ".pid"))  # scripts/extract.sh writes extract[.shard-K].{log,pid} first
 STAGE_SCRIPTS = {
     "prepare": "01_prepare_dataset.py", "extract": "02_extract_hidden_states.py",
     "vocab": "03_build_vocab_mapping.py", "train": "04_train.py", "evaluate": "05_evaluate.py",
@@ -48,60 +46,64 @@ def write_json(path, obj):
             f.write("\n")
 
 
+# What every manifest holds, and each stage's own fields that later stages read: {key: type}.
+SCHEMA = {
+    None: {"stage": str, "format_version": int, "args": dict},
+    "prepare": {"content_id": str, "verifier": dict, "counts": dict},
+    "extract": {"content_id": str, "verifier": dict, "counts": dict, "identity": dict, "layer_ids": list},
+    "vocab": {"content_id": str, "verifier": dict, "counts": dict},
+    "train": {"verifier": dict, "layer_ids": list},
+    "evaluate": {"report": dict},
+}
+# nested fields later stages read: {stage: {parent: {key: type}}}
+NESTED = {"prepare": {"counts": {"rows": int, "tokens": int, "records_read": int, "max_row_tokens": int,
+                                 "max_token_id": int}},
+          "extract": {"counts": {"rows": int}, "identity": {"prepared": str}},
+          "vocab": {"counts": {"draft_vocab_size": int}}}
+
+
 def read_manifest(folder):
+    """The folder's manifest.json, or None if there is none; anything else than a JSON object is a one-line error."""
     path = os.path.join(folder, MANIFEST)
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: not valid JSON ({e})")
+    m = read_json(path)
+    if not isinstance(m, dict):
+        raise UsageError(f"{path}: expected a JSON object, got {type(m).__name__}")
+    return m
 
 
-def check_output_dir(flag, folder, stage):
-    """Refuse an output folder another stage (or a person) owns: we may replace only our own files."""
-    if os.path.isfile(folder):
-        raise UsageError(f"{flag} {folder}: is a file, expected a folder")
-    if os.path.isdir(folder):
-        m = read_manifest(folder)
-        run = os.path.join(folder, RUN_FILE)  # a run in progress (killed before its manifest)
-        if m is None and os.path.isfile(run):
-            m = read_json(run)
-        if m is not None and m.get("stage") != stage:
-            raise UsageError(f"{flag} {folder}: holds the output of stage '{m.get('stage')}'; "
-                             f"choose another folder")
-        if m is None and any(not n.startswith((".", LAUNCHER_FILES[0])) or not n.endswith(LAUNCHER_FILES[1])
-                             for n in os.listdir(folder) if not n.startswith(".")):
-            raise UsageError(f"{flag} {folder}: folder is not empty and has no {MANIFEST}; "
-                             f"choose an empty or new folder")
-        if not os.access(folder, os.W_OK):
-            raise UsageError(f"{flag} {folder}: not writable")
-    else:
-        parent = os.path.dirname(os.path.abspath(folder))
-        while not os.path.isdir(parent):
-            parent = os.path.dirname(parent)
-        if not os.access(parent, os.W_OK):
-            raise UsageError(f"{flag} {folder}: cannot create it ({parent} is not writable)")
+def _check_schema(path, m, stage, script):
+    """Every field a later stage reads, present with its type: a hand-edited or foreign manifest is one line."""
+    from .verifier import IDENTITY
+    need = [(m, k, t) for k, t in {**SCHEMA[None], **SCHEMA[stage]}.items()]
+    need += [(m.get(parent), k, t) for parent, keys in NESTED.get(stage, {}).items() for k, t in keys.items()]
+    need += [(m.get("verifier"), k, (str, int, type(None))) for k in IDENTITY if "verifier" in SCHEMA[stage]]
+    for obj, key, want in need:
+        if not isinstance(obj, dict):
+            continue  # its parent's own check names it
+        value = obj.get(key, KeyError)
+        if value is KeyError or not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            got = "missing" if value is KeyError else f"{type(value).__name__} {value!r}"[:60]
+            raise UsageError(f"{path}: field '{key}' is {got}, expected "
+                             f"{want.__name__ if isinstance(want, type) else 'a value'}; rerun {script}")
 
 
-@contextlib.contextmanager
-def staged_dir(folder):
-    """Build a whole output folder beside `folder` and swap it in only when the block succeeds."""
-    folder = os.path.abspath(folder)
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
-    stage = f"{folder}.partial-{os.getpid()}"
-    old = f"{folder}.old-{os.getpid()}"
-    shutil.rmtree(stage, ignore_errors=True)
-    os.makedirs(stage)
+def begin_output(folder):
+    """Before a stage replaces any of its files in `folder`: drop its manifest, so a run killed half way leaves a
+    folder that later stages refuse ("no manifest.json: rerun ...") and that a rerun of this stage takes back."""
     try:
-        yield stage
-        if os.path.isdir(folder):
-            os.rename(folder, old)
-        os.rename(stage, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        os.remove(os.path.join(folder, MANIFEST))
+    except FileNotFoundError:
+        pass
+
+
+def save_npy(path, array):
+    """np.save, atomically (np.save itself would append .npy to the temporary name)."""
+    import numpy as np
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, array)
 
 
 def package_versions():
@@ -114,14 +116,14 @@ def package_versions():
     return out
 
 
-def manifest(stage, args, **fields):
-    """The provenance every stage writes: stage, format version, resolved arguments, versions, command."""
+def manifest(stage, settings, **fields):
+    """The provenance every stage writes: stage, format version, resolved settings, versions, command."""
     return {
         "stage": stage,
         "script": STAGE_SCRIPTS[stage],
         "format_version": FORMAT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "args": {k: v for k, v in sorted(vars(args).items())},
+        "args": dict(sorted(settings.asdict().items())),
         **fields,
         "packages": package_versions(),
         "python": platform.python_version(),
@@ -144,6 +146,7 @@ def load_stage(flag, folder, stage):
     if m.get("format_version") != FORMAT_VERSION:
         raise UsageError(f"{flag} {folder}: format version {m.get('format_version')}, this code reads "
                          f"{FORMAT_VERSION}; rerun {script}")
+    _check_schema(os.path.join(folder, MANIFEST), m, stage, script)
     return m
 
 
@@ -157,5 +160,7 @@ def read_json(path):
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: unreadable ({e})")
+    except RecursionError:
+        raise UsageError(f"{path}: unreadable (JSON nested too deep)")
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: unreadable ({' '.join(str(e).split())[:160]})")

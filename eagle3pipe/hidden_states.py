@@ -130,6 +130,17 @@ def verify_crc(path):
     return None if f"{crc:08x}" == want else f"checksum mismatch (crc32 {crc:08x}, header says {want}): corrupt data"
 
 
+def read_token_ids(path):
+    """The file's token_ids [T] as a list, read from the header's offsets (no torch)."""
+    import numpy as np
+    header, start, _ = read_header(path)
+    tid = header["token_ids"]
+    a, b = tid["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(start + a)
+        return np.frombuffer(f.read(b - a), dtype="<i8").tolist()
+
+
 def check_file(path, token_ids, n_states, hidden):
     """Full check: header, checksum, token ids, finite values. None when the file is right for this row."""
     return load_checked(path, token_ids, n_states, hidden)[0]

@@ -9,35 +9,46 @@ Memory model (an estimate, deliberately on the safe side):
   worst batch   = --batch-size * --max-seq-len tokens (or --max-tokens-per-batch when given)
   available     = GPU: memory per GPU * --gpu-memory-utilization * tp - weights; CPU: MemAvailable - weights
 """
+import dataclasses
 import glob
 import json
 import os
 import shutil
-import subprocess
+from typing import Optional
 
 from .cli import UsageError
+from .engine import visible_gpus
 
 
-def visible_gpus():
-    """[(name, total bytes)] of the NVIDIA GPUs this process may use, without importing torch."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if out.returncode != 0:
-        return []
-    gpus = []
-    for line in out.stdout.strip().splitlines():
-        idx, name, mib = [x.strip() for x in line.split(",")]
-        gpus.append((idx, name, int(float(mib)) * 2**20))
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd:
-        keep = [x.strip() for x in cvd.split(",")]
-        gpus = [g for g in gpus if g[0] in keep] if all(k.isdigit() for k in keep) else gpus[: len(keep)]
-    return [(name, total) for _, name, total in gpus]
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the preflight found and decided; `--dry-run` prints it."""
+    jsonl: str                  # stage 01's tokenized_data.jsonl
+    prepared_manifest: dict
+    verifier: dict              # the fingerprint (verifier.fingerprint)
+    layer_ids: list             # the auxiliary ids, then n
+    hidden_size: int
+    rows: int
+    tokens: int
+    batches_at_most: int
+    disk_bytes: int
+    disk_per_token: int
+    disk_free_bytes: int
+    weights_bytes: Optional[int]
+    bytes_per_token: int        # memory per token (KV cache, captured states, activations)
+    worst_batch_tokens: int
+    memory_available_bytes: int
+    gpus: int
+    device: str
+    warning: Optional[str]
+
+    @property
+    def n_states(self):
+        return len(self.layer_ids)
+
+    @property
+    def on_gpu(self):
+        return self.gpus > 0
 
 
 def available_ram():
@@ -139,16 +150,9 @@ def resolve_prepared(flag, path):
 
 
 def plan(args):
-    """Every check that needs no model load; returns the plan --dry-run prints."""
-    from . import verifier
-    from .files import check_output_dir
-    from .cli import at_least
-    at_least(args, batch_size=1, tp_size=1, max_seq_len=2)
-    if args.max_tokens_per_batch is not None and args.max_tokens_per_batch < args.max_seq_len:
-        raise UsageError(f"--max-tokens-per-batch {args.max_tokens_per_batch}: must be at least --max-seq-len "
-                         f"({args.max_seq_len}) so the longest sample fits")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+    """Every check that needs no model load (`args`: settings.Extract) -> the Plan --dry-run prints."""
+    from . import outdir, verifier
+    from .extract_output import owned as stage_owned
     jsonl, prep = resolve_prepared("--prepared-data", args.prepared_data)
     fp = verifier.fingerprint(args.model_path)
     cfg, _ = verifier.model_files(args.model_path)
@@ -190,13 +194,15 @@ def plan(args):
                     f"visible GPUs (device_map=auto); choose them with CUDA_VISIBLE_DEVICES")
     else:
         log_warn = None
-    check_output_dir("--output-dir", args.output_dir, "extract")
+    owned = stage_owned(counts["rows"], args.shard)
+    outdir.check("--output-dir", args.output_dir, "extract", owned,
+                 [("--model-path", args.model_path), ("--prepared-data", args.prepared_data)], args.shard)
     n_states = len(layer_ids)
     from .hidden_states import bytes_per_token
     disk_per_token = bytes_per_token(n_states, fp["hidden_size"], args.storage_dtype)
     disk_need = counts["tokens"] * disk_per_token
     # a resumed run needs only what its existing files do not already hold
-    have = sum(e.stat().st_size for e in os.scandir(args.output_dir) if e.name.startswith("hs_")) \
+    have = sum(e.stat().st_size for e in os.scandir(args.output_dir) if e.name in owned) \
         if os.path.isdir(args.output_dir) else 0
     free = free_disk(args.output_dir)
     if disk_need - have > free:
@@ -206,23 +212,20 @@ def plan(args):
     note = f" ({log_warn.split(': ', 1)[1]})" if log_warn and args.batch_size > rows else ""
     avail, per_tok, worst = check_memory(args, tc, n_states, weights, gpus, rows, counts["max_row_tokens"], note)
     batches = -(-rows // args.batch_size)
-    return {
-        "jsonl": jsonl, "prepared_manifest": prep, "verifier": fp, "layer_ids": layer_ids, "n_states": n_states,
-        "hidden_size": fp["hidden_size"], "rows": rows, "tokens": counts["tokens"], "batches_at_most": batches,
-        "disk_bytes": disk_need, "disk_per_token": disk_per_token, "disk_free_bytes": free, "weights_bytes": weights, "bytes_per_token": per_tok,
-        "worst_batch_tokens": worst, "memory_available_bytes": avail,
-        "device": f"{len(gpus)} GPU(s): {gpus[0][0]}" if gpus else "CPU", "warning": log_warn,
-    }
+    return Plan(jsonl=jsonl, prepared_manifest=prep, verifier=fp, layer_ids=layer_ids, hidden_size=fp["hidden_size"],
+                rows=rows, tokens=counts["tokens"], batches_at_most=batches, disk_bytes=disk_need,
+                disk_per_token=disk_per_token, disk_free_bytes=free, weights_bytes=weights, bytes_per_token=per_tok,
+                worst_batch_tokens=worst, memory_available_bytes=avail, gpus=len(gpus),
+                device=f"{len(gpus)} GPU(s): {gpus[0][0]}" if gpus else "CPU", warning=log_warn)
 
 
 def format_plan(p):
     gib = 2**30
     return "\n".join([
-        f"plan: {p['rows']:,} samples, {p['tokens']:,} tokens, up to {p['batches_at_most']:,} batches",
-        f"  layer ids: {p['layer_ids']} (auxiliary, then id {p['layer_ids'][-1]} = last layer before the final norm)",
-        f"  disk: {p['disk_bytes'] / 1e9:.2f} GB to write ({p['disk_per_token']:,} B/token), "
-        f"{p['disk_free_bytes'] / 1e9:.1f} GB free",
-        f"  memory: weights {(p['weights_bytes'] or 0) / gib:.2f} GiB; worst batch {p['worst_batch_tokens']:,} tokens x "
-        f"~{p['bytes_per_token']:,} B = {p['worst_batch_tokens'] * p['bytes_per_token'] / gib:.2f} GiB of "
-        f"{p['memory_available_bytes'] / gib:.1f} GiB left ({p['device']})",
+        f"plan: {p.rows:,} samples, {p.tokens:,} tokens, up to {p.batches_at_most:,} batches",
+        f"  layer ids: {p.layer_ids} (auxiliary, then id {p.layer_ids[-1]} = last layer before the final norm)",
+        f"  disk: {p.disk_bytes / 1e9:.2f} GB to write ({p.disk_per_token:,} B/token), {p.disk_free_bytes / 1e9:.1f} GB free",
+        f"  memory: weights {(p.weights_bytes or 0) / gib:.2f} GiB; worst batch {p.worst_batch_tokens:,} tokens x "
+        f"~{p.bytes_per_token:,} B = {p.worst_batch_tokens * p.bytes_per_token / gib:.2f} GiB of "
+        f"{p.memory_available_bytes / gib:.1f} GiB left ({p.device})",
     ])

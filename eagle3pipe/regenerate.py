@@ -5,59 +5,52 @@ Turn by turn: round k asks the verifier, through vLLM, for the k-th assistant tu
 the conversation up to it with the turns already regenerated. A conversation whose prompt reaches --max-seq-len
 is cut there (the rest would be truncated anyway). Assistant turns that open a conversation, before any user or
 system turn, answer nothing and are dropped (counted in the manifest). Answers are appended to
-`<output-dir>.regenerating.jsonl` after every chunk of --regen-batch-size prompts: a killed run keeps them
-and a rerun with the same settings asks only for the rest. On success the file lands in the output folder as
-`regenerated.jsonl`.
+`<output-dir>/.regenerating.jsonl` after every chunk of --regen-batch-size prompts: a killed run keeps them
+and a rerun with the same settings asks only for the rest (the last finished run's `regenerated.jsonl` counts
+too). On success stage 01 writes this run's answers to `regenerated.jsonl` and drops the working file.
 """
 import json
 import logging
 import os
 
-from . import faults
-from .preflight import visible_gpus
+from . import engine, faults
 
 log = logging.getLogger("eagle3")
 
 
-def cache_path(output_dir):
-    return os.path.abspath(output_dir).rstrip("/") + ".regenerating.jsonl"
+def cache_path(out):
+    return os.path.join(out, ".regenerating.jsonl")
 
 
-def _settings(args):
+def settings_of(args):
     return {"model": os.path.abspath(args.model_path) if os.path.isdir(args.model_path) else args.model_path,
             "temperature": args.regen_temperature, "max_tokens": args.regen_max_tokens, "seed": args.seed,
             "max_seq_len": args.max_seq_len}
 
 
-def load_cache(path, settings):
+def load_cache(paths, settings):
     """{(record id, turn): text} of earlier runs with the same settings; a line cut by a kill is ignored."""
     done = {}
-    if os.path.exists(path):
+    for path in paths:
+        if not os.path.exists(path):
+            continue
         with open(path, encoding="utf-8") as f:
             for line in f:
                 try:
                     r = json.loads(line)
-                except ValueError:
+                    if r.get("settings") == settings:
+                        done[(r["id"], r["turn"])] = r["text"]
+                except (ValueError, AttributeError, KeyError, TypeError, RecursionError):
                     continue
-                if r.get("settings") == settings:
-                    done[(r["id"], r["turn"])] = r["text"]
     return done
 
 
-def _engine(args, on_gpu):
-    from .backends import cpu_vllm_env
-    if not on_gpu:
-        cpu_vllm_env()
-    from vllm import LLM
-    return LLM(model=args.model_path, dtype="bfloat16", max_model_len=args.max_seq_len,
-               tensor_parallel_size=args.regen_tp_size, enforce_eager=not on_gpu, seed=args.seed,
-               trust_remote_code=args.trust_remote_code, max_num_seqs=args.regen_batch_size)
-
-
-def run(records, tok, args):
-    """[(id, messages)] -> (the same with assistant turns regenerated, counts). Resumable (see above)."""
-    settings, path = _settings(args), cache_path(args.output_dir)
-    done = load_cache(path, settings)
+def run(records, tok, args, out):
+    """[(id, messages)] -> (the same with assistant turns regenerated, counts, this run's answers as
+    [{"id", "turn", "text", "settings"}]). Resumable (see above); `out` is stage 01's claimed output folder."""
+    settings, path = settings_of(args), cache_path(out)
+    done = load_cache([os.path.join(out, "regenerated.jsonl"), path], settings)
+    answers = []
     convs, lead = [], 0
     for _, msgs in records:
         # an assistant turn that opens the conversation answers nothing: the verifier would never say it
@@ -68,7 +61,7 @@ def run(records, tok, args):
     cut = {}  # conversation -> index of the first message dropped (its prompt reached --max-seq-len)
     counts = {"turns_regenerated": 0, "turns_from_cache": 0, "conversations_cut": 0, "opening_turns_dropped": lead}
     llm, turn = None, 0
-    on_gpu = bool(visible_gpus())
+    on_gpu = bool(engine.visible_gpus())
     while True:
         todo, active = [], False  # (conversation, message index, prompt ids) of each turn-th assistant message
         for j, msgs in enumerate(convs):
@@ -78,6 +71,7 @@ def run(records, tok, args):
             active, m = True, pos[turn]
             if (ids[j], turn) in done:
                 msgs[m]["content"] = done[(ids[j], turn)]
+                answers.append({"id": ids[j], "turn": turn, "text": msgs[m]["content"], "settings": settings})
                 counts["turns_from_cache"] += 1
                 continue
             prompt = tok.apply_chat_template(msgs[:m], add_generation_prompt=True, tokenize=True)
@@ -90,7 +84,9 @@ def run(records, tok, args):
             break
         if todo:
             from vllm import SamplingParams
-            llm = llm or _engine(args, on_gpu)
+            llm = llm or engine.make_llm(args.model_path, tp=args.regen_tp_size, max_model_len=args.max_seq_len,
+                                         on_gpu=on_gpu, trust_remote_code=args.trust_remote_code, seed=args.seed,
+                                         max_num_seqs=args.regen_batch_size)
             log.info(f"regenerating assistant turn {turn + 1} of {len(todo)} conversations")
             for start in range(0, len(todo), args.regen_batch_size):
                 chunk = todo[start:start + args.regen_batch_size]
@@ -105,8 +101,8 @@ def run(records, tok, args):
                 with open(path, "a", encoding="utf-8") as f:
                     for (j, m, _), o in zip(chunk, outs):
                         convs[j][m]["content"] = o.outputs[0].text
-                        f.write(json.dumps({"id": ids[j], "turn": turn, "text": o.outputs[0].text,
-                                            "settings": settings}) + "\n")
+                        answers.append({"id": ids[j], "turn": turn, "text": o.outputs[0].text, "settings": settings})
+                        f.write(json.dumps(answers[-1]) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
                 counts["turns_regenerated"] += len(chunk)
@@ -115,4 +111,5 @@ def run(records, tok, args):
     for j, m in cut.items():
         del convs[j][m:]
     counts["conversations_cut"] = len(cut)
-    return [(rid, msgs) for rid, msgs in zip(ids, convs) if any(x["role"] == "assistant" for x in msgs)], counts
+    kept = [(rid, msgs) for rid, msgs in zip(ids, convs) if any(x["role"] == "assistant" for x in msgs)]
+    return kept, counts, answers

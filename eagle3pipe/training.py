@@ -11,10 +11,21 @@ import logging
 import os
 import time
 
+from . import outdir
 from .cli import UsageError
-from .files import STAGE_SCRIPTS, load_stage
-from .hidden_states import check_header, hs_path, verify_crc
+from .files import MANIFEST, RUN_FILE, STAGE_SCRIPTS, load_stage
+from .hidden_states import check_header, hs_path, read_token_ids, verify_crc
 from .verifier import same_verifier
+
+# speculators' checkpoint names (its checkpointer and trainer) and ours, besides the epoch folders
+FIXED_NAMES = [MANIFEST, RUN_FILE, "logs", ".bridge", "last", ".last.tmp", "checkpoint_best", "interrupted", "run.yaml",
+               "train_command.txt"]
+
+
+def owned(epochs):
+    """What stage 04 may write in its folder, by exact name: per epoch e < epochs speculators' folder `e/` and its link
+    `epoch{e}_end`; mid-epoch links `epoch{e}_step{k}` are recorded as they are made (PipelineTrainer)."""
+    return outdir.Owned(FIXED_NAMES + [str(e) for e in range(epochs)] + [f"epoch{e}_end" for e in range(epochs)])
 
 log = logging.getLogger("eagle3")
 
@@ -48,13 +59,15 @@ def check_inputs(args, fp, verify_data=True):
             not np.array_equal(np.arange(k) + d2t, np.flatnonzero(t2d)):
         raise UsageError(f"--vocab-mapping {args.vocab_mapping}: d2t {list(d2t.shape)} / t2d {list(t2d.shape)} do not "
                          f"form a {k}-of-{v} mapping; rerun 03_build_vocab_mapping.py")
-    rows = []
-    with open(os.path.join(args.prepared_data, "tokenized_data.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            rows.append((r["input_ids"], r["loss_mask"]))
+    rows = read_rows(args.prepared_data, prep)
     n_states, hidden = len(ext["layer_ids"]), ext["verifier"]["hidden_size"]
     failed = {int(i) for i in ext.get("failures", {})}
+    if rows.digest != prep["content_id"]:
+        changed = next((i for i, (ids, _) in enumerate(rows) if i not in failed and _stored_ids(args, i) != ids), None)
+        where = (f"row {changed} (line {changed + 1}) differs from the tokens stage 02 extracted into "
+                 f"hs_{changed}.safetensors" if changed is not None else "its hash is not the manifest's content_id")
+        raise UsageError(f"--prepared-data {args.prepared_data}: tokenized_data.jsonl was edited after stage 01 wrote "
+                         f"it ({where}); rerun {STAGE_SCRIPTS['prepare']}, then the later stages")
     bad = []
     for i, (ids, _) in enumerate(rows):
         if i in failed:
@@ -64,15 +77,59 @@ def check_inputs(args, fp, verify_data=True):
             bad.append((i, reason))
     if not bad and verify_data:  # every byte against its CRC: a flipped bit must not reach the trainer
         from concurrent.futures import ThreadPoolExecutor
+
+        def verify(i):
+            reason = verify_crc(hs_path(args.hidden_states, i))
+            return reason or (None if _stored_ids(args, i) == rows[i][0] else "token_ids differ from the prepared row")
         todo = [i for i in range(len(rows)) if i not in failed]
         with ThreadPoolExecutor(min(16, 2 * (os.cpu_count() or 1))) as ex:
-            crcs = ex.map(lambda i: verify_crc(hs_path(args.hidden_states, i)), todo)
-            bad = [(i, r) for i, r in zip(todo, crcs) if r]
+            bad = [(i, r) for i, r in zip(todo, ex.map(verify, todo)) if r]
     if bad:
         i, reason = bad[0]
         raise UsageError(f"--hidden-states {args.hidden_states}: {len(bad)} bad file(s), e.g. hs_{i}.safetensors: "
                          f"{reason}; rerun {STAGE_SCRIPTS['extract']} (it redoes only those)")
     return prep, ext, voc, rows, failed
+
+
+def _stored_ids(args, i):
+    try:
+        return read_token_ids(hs_path(args.hidden_states, i))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class Rows(list):
+    """[(input_ids, loss_mask)] of stage 01, and `digest`: the hash stage 01 recorded as its content_id."""
+    digest = None
+
+
+def read_rows(folder, prep):
+    """Stage 01's rows, each checked (a hand edit that breaks a row is named by its line)."""
+    import hashlib
+    path, rows, h = os.path.join(folder, "tokenized_data.jsonl"), Rows(), hashlib.sha256()
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise UsageError(f"--prepared-data {folder}: cannot read tokenized_data.jsonl ({e.strerror}); rerun "
+                         f"{STAGE_SCRIPTS['prepare']}")
+    with f:
+        for lineno, line in enumerate(f, 1):
+            h.update(line)
+            try:
+                r = json.loads(line)
+                ids, mask = r["input_ids"], r["loss_mask"]
+                if not (isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask) > 0
+                        and all(type(x) is int for x in ids) and all(x in (0, 1) for x in mask)):
+                    raise ValueError("input_ids and loss_mask must be equal-length lists of integers (mask 0/1)")
+            except (ValueError, KeyError, TypeError, RecursionError) as e:
+                raise UsageError(f"{path}:{lineno}: malformed row ({' '.join(str(e).split())[:120]}); rerun "
+                                 f"{STAGE_SCRIPTS['prepare']}")
+            rows.append((ids, mask))
+    if len(rows) != prep["counts"]["rows"]:
+        raise UsageError(f"{path}: {len(rows)} rows, its manifest says {prep['counts']['rows']}; rerun "
+                         f"{STAGE_SCRIPTS['prepare']}")
+    rows.digest = h.hexdigest()[:16]
+    return rows
 
 
 def build_bridge(rows, folder):
@@ -177,6 +234,8 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
             return super().run_training()
 
         def maybe_save_checkpoint(self, epoch, local_step=0):
+            if self.rank == 0 and isinstance(epoch, int):  # names this save may create, recorded before it does
+                outdir.add_owned(str(self.checkpointer.path), [str(epoch), f"epoch{epoch}_step{local_step}"])
             super().maybe_save_checkpoint(epoch, local_step)
             path = self.checkpointer.path / str(epoch)
             if (self.rank == 0) and (path / "config.json").exists():
@@ -189,27 +248,24 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
     return PipelineTrainer
 
 
-def prepare_output(out, identity, overwrite, rank):
-    """Resume only with the same inputs; --overwrite clears our checkpoints (never anything else)."""
-    import shutil
-    from .files import RUN_FILE, read_json, write_json
-    run_file = os.path.join(out, RUN_FILE)
+def prepare_output(args, identity, inputs, rank):
+    """Rank 0 takes the folder (outdir.claim: only stage 04's own, the lock, --overwrite of exactly what earlier runs
+    recorded) and resumes only with the same inputs. -> the real output path."""
+    from .files import begin_output, read_json, write_json
     if rank != 0:
-        return
-    if overwrite and os.path.isdir(out):
-        for name in os.listdir(out):
-            p = os.path.join(out, name)
-            if name.isdigit() or name in ("last", "checkpoint_best", "interrupted", "logs", ".bridge", RUN_FILE,
-                                          "manifest.json", "run.yaml", "train_command.txt") or name.startswith("epoch"):
-                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
-    os.makedirs(out, exist_ok=True)
-    if os.path.exists(run_file):
-        old = read_json(run_file).get("identity")
+        return os.path.realpath(args.output_dir)
+    run_file = os.path.join(args.output_dir, RUN_FILE)
+    if not args.overwrite and os.path.exists(run_file):
+        old = read_json(run_file)
+        old = old.get("identity") if isinstance(old, dict) else None
         if old != identity:
             what = next((k for k in identity if (old or {}).get(k) != identity[k]), "inputs")
-            raise UsageError(f"--output-dir {out}: holds checkpoints trained on other inputs ({what} differs); "
-                             f"use --overwrite or another folder")
-    write_json(run_file, {"stage": "train", "identity": identity})
+            raise UsageError(f"--output-dir {args.output_dir}: holds checkpoints trained on other inputs ({what} "
+                             f"differs); use --overwrite or another folder")
+    out = outdir.claim("--output-dir", args.output_dir, "train", owned(args.epochs), inputs, overwrite=args.overwrite)
+    begin_output(out)
+    write_json(os.path.join(out, RUN_FILE), {"stage": "train", "identity": identity})
+    return out
 
 
 def train_config(args, bridge, aux_layer_ids, on_cpu, storage="bf16"):

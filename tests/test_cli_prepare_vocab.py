@@ -49,7 +49,8 @@ def test_prepare_is_deterministic_and_replaces_its_own_output(prepared, model_pa
                       "--max-seq-len", "512", "--output-dir", str(prepared))
     assert p.returncode == 0, p.stderr
     assert (prepared / "tokenized_data.jsonl").read_bytes() == before
-    assert not [n for n in os.listdir(prepared.parent) if ".partial" in n or ".old" in n]
+    # replaced file by file in place: no temporary file left, nothing made beside the folder
+    assert not [n for n in os.listdir(prepared) if ".tmp-" in n] and os.listdir(prepared.parent) == ["prepared"]
 
 
 def test_vocab_map(prepared, tmp_path):
@@ -114,7 +115,7 @@ def test_vocab_refuses_too_large_and_wrong_stage(prepared, tmp_path):
                          "--draft-vocab-size", "50000", "--output-dir", str(tmp_path / "v"))
     assert_refused(p, secs, "--draft-vocab-size 50000", "49152")
     p, secs = run_script("03_build_vocab_mapping.py", "--prepared-data", str(prepared), "--output-dir", str(prepared))
-    assert_refused(p, secs, "holds the output of stage 'prepare'")
+    assert_refused(p, secs, "is the input --prepared-data")
 
 
 def test_prepare_refuses_bad_flags_and_paths(tmp_path, model_path):
@@ -123,7 +124,7 @@ def test_prepare_refuses_bad_flags_and_paths(tmp_path, model_path):
         (["--model-path", model_path, "--max-seq-len", "0"], ["--max-seq-len 0"]),
         (["--model-path", model_path, "--num-smaples", "3"], ["did you mean --num-samples"]),
         (["--dataset", "sharegpt"], ["missing --model-path"]),
-        (["--model-path", model_path, "--output-dir", str(tmp_path)], ["not empty and has no manifest.json"]),
+        (["--model-path", model_path, "--output-dir", str(tmp_path)], ["holds 'keep.txt'", "did not make"]),
     ]
     (tmp_path / "keep.txt").write_text("a person's file")
     for argv, needles in cases:
@@ -134,7 +135,9 @@ def test_prepare_refuses_bad_flags_and_paths(tmp_path, model_path):
 
 def test_config_errors(tmp_path, model_path):
     for text, needle in [("max_seq_len: abc\n", "key 'max_seq_len' must be an integer"),
-                         ("max_seq_lenn: 5\n", "unknown key 'max_seq_lenn' (did you mean 'max_seq_len'?)"),
+                         ("max_seq_lenn: 5\n", "unknown key 'max_seq_lenn'; did you mean 'max_seq_len'?"),
+                         ("seed: 1\nseed: 2\n", "key 'seed' given twice (line 2)"),
+                         ("prepare:\n  batch_size: 4\n", "unknown key 'prepare.batch_size' (stage prepare does not take it)"),
                          ("train:\n  lrr: 1\n", "unknown key 'train.lrr'"),
                          ("[1, 2\n", "not valid YAML")]:
         cfg = bad(tmp_path, "c.yaml", text)

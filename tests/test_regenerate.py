@@ -40,8 +40,8 @@ def test_regenerate_resumes_after_a_kill(model_path, tokenizer, tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    cache = tmp_path / "prep.regenerating.jsonl"
-    assert len(cache.read_text().splitlines()) == 4 and not out.exists()
+    cache = out / ".regenerating.jsonl"
+    assert len(cache.read_text().splitlines()) == 4 and not (out / "manifest.json").exists()
 
     p, _ = run_script(*argv)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -1,0 +1,54 @@
+"""The devices and the vLLM engine, as stages 01 (--regenerate), 02 and 05 use them.
+
+- `visible_gpus()`: the NVIDIA GPUs this process may use, asked of nvidia-smi (no torch import: the preflight runs
+  before any heavy import).
+- `cpu_vllm_env()`: vLLM-CPU's settings on a machine without GPUs: every core for the worker, none reserved for
+  busy polling (by default vLLM reserves one, two with a KV connector, leaving a 2-core machine's worker one or none),
+  a 2 GiB KV cache.
+- `make_llm(...)`: a `vllm.LLM` with the settings every stage shares (bf16; eager on CPU, where compiling costs
+  about 90 s at start for no gain).
+"""
+import os
+import subprocess
+
+
+def visible_gpus():
+    """[(name, total bytes)] of the NVIDIA GPUs this process may use, without importing torch."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    gpus = []
+    for line in out.stdout.strip().splitlines():
+        idx, name, mib = [x.strip() for x in line.split(",")]
+        gpus.append((idx, name, int(float(mib)) * 2**20))
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd:
+        keep = [x.strip() for x in cvd.split(",")]
+        gpus = [g for g in gpus if g[0] in keep] if all(k.isdigit() for k in keep) else gpus[: len(keep)]
+    return [(name, total) for _, name, total in gpus]
+
+
+def cpu_vllm_env():
+    n = os.cpu_count() or 1
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype="bfloat16", **kw):
+    """A vllm.LLM for `model_path`; `kw` goes to vLLM as is (speculative_config, kv_transfer_config, ...)."""
+    if not on_gpu:
+        cpu_vllm_env()
+    # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
+    from vllm import LLM
+    return LLM(model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len,
+               enforce_eager=not on_gpu, trust_remote_code=trust_remote_code, **kw)

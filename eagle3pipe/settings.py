@@ -1,0 +1,215 @@
+"""Each stage's resolved settings: one frozen, typed record, built once from the flags and `--config`, and
+validated here (types, finiteness, ranges, choices, non-empty paths, rules between flags). The package's functions
+take a record, or the few fields they need; never the argparse namespace.
+
+The records have no defaults: the scripts' argparse flags hold those (and `--help` shows them), and a test checks
+that every flag of a script is a field of its record. The same fields are the keys a config file may hold: at
+its top level (any stage's key: each stage takes its own) or in a stage's section (that stage's keys only).
+"""
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .cli import UsageError
+
+STAGES = ("prepare", "extract", "vocab", "train", "evaluate")
+# the config key that names a stage's output folder (it is also the later stages' input flag)
+OUTPUT_KEY = {"prepare": "prepared_data", "extract": "hidden_states", "vocab": "vocab_mapping",
+              "train": "checkpoint_dir", "evaluate": "eval_dir"}
+# switches of one run, never taken from a config file
+RUN_ONLY = {"output_dir", "dry_run", "overwrite", "verify", "shard"}
+
+
+def rule(ge=None, gt=None, le=None, lt=None, choices=None, path=False):
+    """A field's constraints. `path`: a string that must not be empty."""
+    return field(metadata={k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, path=path).items()
+                           if v not in (None, False)})
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def _check_type(name, value, hint):
+    origin, inner = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return
+        hint = next(a for a in inner if a is not type(None))
+        origin, inner = typing.get_origin(hint), typing.get_args(hint)
+    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str), bool: lambda v: isinstance(v, bool)}
+    if origin in (list, tuple):
+        good = isinstance(value, (list, tuple)) and all(ok[inner[0]](v) for v in value)
+    else:
+        good = ok[hint](value)
+    if not good:
+        raise UsageError(f"{_flag(name)} {value!r}: expected {kind(hint)}")
+    if hint is float and not math.isfinite(value):
+        raise UsageError(f"{_flag(name)} {value}: must be a finite number")
+
+
+def kind(hint):
+    origin, inner = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:
+        return kind(next(a for a in inner if a is not type(None)))
+    if origin in (list, tuple):
+        return "a list of integers"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[hint]
+
+
+def _check_rules(name, value, meta):
+    if value is None:
+        return
+    flag = _flag(name)
+    for v in (value if isinstance(value, (list, tuple)) else [value]):
+        if "ge" in meta and v < meta["ge"]:
+            raise UsageError(f"{flag} {value}: must be at least {meta['ge']}")
+        if "gt" in meta and v <= meta["gt"]:
+            raise UsageError(f"{flag} {value}: must be greater than {meta['gt']}")
+        if "le" in meta and v > meta["le"]:
+            raise UsageError(f"{flag} {value}: must be at most {meta['le']}")
+        if "lt" in meta and v >= meta["lt"]:
+            raise UsageError(f"{flag} {value}: must be less than {meta['lt']}")
+    if "choices" in meta and value not in meta["choices"]:
+        raise UsageError(f"{flag} {value!r}: choose one of {', '.join(meta['choices'])}")
+    if meta.get("path") and not value.strip():
+        raise UsageError(f"{flag}: empty path")
+
+
+class Record:
+    """Validation shared by the stage records: each field's type and rule, then the record's own `check()`."""
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _check_type(f.name, value, hints[f.name])
+            _check_rules(f.name, value, f.metadata)
+        self.check()
+
+    def check(self):
+        pass
+
+    @classmethod
+    def from_args(cls, ns):
+        values = vars(ns)
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+
+    def asdict(self):
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Prepare(Record):
+    model_path: str = rule(path=True)
+    dataset: str = rule(path=True)
+    split: str = rule(path=True)
+    output_dir: str = rule(path=True)
+    max_seq_len: int = rule(ge=2)
+    num_samples: Optional[int] = rule(ge=1)
+    seed: int = rule()
+    trust_remote_code: bool = rule()
+    regenerate: bool = rule()
+    regen_temperature: float = rule(ge=0)
+    regen_max_tokens: int = rule(ge=1)
+    regen_batch_size: int = rule(ge=1)
+    regen_tp_size: int = rule(ge=1)
+
+
+@dataclass(frozen=True)
+class Extract(Record):
+    model_path: str = rule(path=True)
+    prepared_data: str = rule(path=True)
+    output_dir: str = rule(path=True)
+    backend: str = rule(choices=("vllm", "hf"))
+    tp_size: int = rule(ge=1)
+    max_seq_len: int = rule(ge=2)
+    batch_size: int = rule(ge=1)
+    max_tokens_per_batch: Optional[int] = rule(ge=1)
+    gpu_memory_utilization: float = rule(gt=0, le=1)
+    layer_ids: Optional[list[int]] = rule(ge=0)
+    storage_dtype: str = rule(choices=("bf16", "fp8"))
+    writer_threads: Optional[int] = rule(ge=1, le=64)
+    trust_remote_code: bool = rule()
+    shard: Optional[tuple[int, ...]] = rule()
+    verify: bool = rule()
+    dry_run: bool = rule()
+    overwrite: bool = rule()
+
+    def check(self):
+        if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < self.max_seq_len:
+            raise UsageError(f"--max-tokens-per-batch {self.max_tokens_per_batch}: must be at least --max-seq-len "
+                             f"({self.max_seq_len}) so the longest sample fits")
+        if self.shard and self.overwrite:
+            raise UsageError("--overwrite with --shard: one replica would delete the others' files; "
+                             "clear --output-dir once before starting the replicas")
+        if self.verify and self.shard:
+            raise UsageError("--verify checks all shards at once; drop --shard")
+
+
+@dataclass(frozen=True)
+class Vocab(Record):
+    prepared_data: str = rule(path=True)
+    draft_vocab_size: int = rule(ge=1)
+    output_dir: str = rule(path=True)
+
+
+@dataclass(frozen=True)
+class Train(Record):
+    model_path: str = rule(path=True)
+    prepared_data: str = rule(path=True)
+    hidden_states: str = rule(path=True)
+    vocab_mapping: str = rule(path=True)
+    output_dir: str = rule(path=True)
+    epochs: int = rule(ge=1)
+    lr: float = rule(gt=0, lt=1)
+    max_steps: Optional[int] = rule(ge=1)
+    warmup_steps: Optional[int] = rule(ge=0)
+    total_seq_len: int = rule(ge=16)
+    num_layers: int = rule(ge=1)
+    ttt_steps: int = rule(ge=1)
+    device: str = rule(choices=("auto", "cpu", "cuda"))
+    checkpoint_freq: float = rule(gt=0)
+    log_every: int = rule(ge=1)
+    val_ratio: float = rule(gt=0, lt=1)
+    num_workers: Optional[int] = rule(ge=0)
+    fsdp: bool = rule()
+    loss_implementation: str = rule(choices=("auto", "fused", "eager"))
+    seed: int = rule()
+    trust_remote_code: bool = rule()
+    overwrite: bool = rule()
+
+
+@dataclass(frozen=True)
+class Evaluate(Record):
+    model_path: str = rule(path=True)
+    draft: str = rule(path=True)
+    prompts: str = rule(path=True)
+    prepared_data: str = rule(path=True)
+    num_prompts: int = rule(ge=1)
+    num_speculative_tokens: int = rule(ge=1)
+    max_new_tokens: int = rule(ge=1)
+    batch_sizes: list[int] = rule(ge=1)
+    tp_size: int = rule(ge=1)
+    output_dir: str = rule(path=True)
+    trust_remote_code: bool = rule()
+
+    def check(self):
+        if not self.batch_sizes:
+            raise UsageError("--batch-sizes: give at least one size, e.g. 1,8")
+
+
+RECORDS = {"prepare": Prepare, "extract": Extract, "vocab": Vocab, "train": Train, "evaluate": Evaluate}
+
+
+def config_keys(stage):
+    """{config key: (record field, type hint)} a config file may set for `stage`."""
+    cls = RECORDS[stage]
+    hints = typing.get_type_hints(cls)
+    keys = {f.name: (f.name, hints[f.name]) for f in dataclasses.fields(cls) if f.name not in RUN_ONLY}
+    keys[OUTPUT_KEY[stage]] = ("output_dir", hints["output_dir"])
+    return keys
