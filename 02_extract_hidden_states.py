@@ -98,6 +98,10 @@ def main():
         bar.close()
         if args.backend == "vllm":
             shutil.rmtree(staging, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(staging))  # .incoming itself, unless another replica's engine still uses it
+            except OSError:
+                pass
         if stopped:  # no manifest: the folder is incomplete until a rerun finishes it
             return 128 + stopped
     return finish(args, plan, identity, rows, failed, {"tokens": tokens, "seconds": secs, "resumed": len(done)})

@@ -54,6 +54,7 @@ def main():
     log = cli.setup_logging()
     from eagle3pipe import training
     fp = verifier.fingerprint(args.model_path)
+    verifier.check_remote_code(args.model_path, args.trust_remote_code)
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data),
               ("--hidden-states", args.hidden_states), ("--vocab-mapping", args.vocab_mapping)]
     rank = int(os.environ.get("RANK", "0"))

@@ -43,6 +43,7 @@ def main():
     log = cli.setup_logging()
     from eagle3pipe import engine, evaluation
     fp = verifier.fingerprint(args.model_path)
+    verifier.check_remote_code(args.model_path, args.trust_remote_code)
     evaluation.check_draft(args.draft, fp)
     conversations.check_dataset(args.prompts, "--prompts")
     inputs = [("--model-path", args.model_path), ("--draft", args.draft), ("--prompts", args.prompts)]

@@ -186,6 +186,6 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
 def setup_logging():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stderr)
-    for noisy in ("httpx", "urllib3", "filelock"):
+    for noisy in ("httpx", "httpx2", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return logging.getLogger("eagle3")

@@ -5,12 +5,15 @@ cleanly at the file's truncation), a local `.jsonl` / `.json` / `.parquet` file 
 hub dataset id (through `datasets`). Formats, detected per record: ShareGPT `conversations[{from, value}]`
 and OpenAI-style `messages[{role, content}]`.
 
-A malformed record (bad JSON, wrong types, an unknown role) is a UsageError naming the file and
-line/record. Empty conversations and ones without an assistant turn are skipped and counted by the caller.
+A malformed record (bad JSON, JSON nested too deep, wrong types, an unknown role, text that is not valid
+Unicode) is a UsageError naming the file and line/record. Empty conversations and ones without an assistant turn
+are skipped and counted by the caller. A dataset folder holds only data files and folders of them (hidden entries
+aside): anything else is refused by check_dataset, before the tokenizer loads.
 """
 import glob
 import json
 import os
+import stat
 
 from .cli import UsageError
 
@@ -76,9 +79,12 @@ def _iter_jsonl(path):
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{lineno}", json.loads(line)
+                rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UsageError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})")
+            except RecursionError:  # json.loads recurses once per '[' or '{'
+                raise UsageError(f"{path}:{lineno}: JSON nested too deep")
+            yield f"{path}:{lineno}", rec
 
 
 def _iter_file(path, flag="--dataset"):
@@ -99,6 +105,8 @@ def _iter_file(path, flag="--dataset"):
             raise UsageError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})")
         except json.JSONDecodeError as e:
             raise UsageError(f"{path}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
+        except RecursionError:
+            raise UsageError(f"{path}: JSON nested too deep")
         if isinstance(data, dict):  # {"data": [...]} or {"train": [...]}: the one list inside
             lists = [v for v in data.values() if isinstance(v, list)]
             if len(lists) != 1:
@@ -111,10 +119,10 @@ def _iter_file(path, flag="--dataset"):
     elif path.endswith(".parquet"):
         import pyarrow.parquet as pq
         try:
-            table = pq.read_table(path)
+            rows = pq.read_table(path).to_pylist()
         except Exception as e:
-            raise UsageError(f"{path}: cannot read parquet ({e})")
-        for i, rec in enumerate(table.to_pylist()):
+            raise UsageError(f"{path}: cannot read parquet ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        for i, rec in enumerate(rows):
             yield f"{path}: record {i}", rec
 
 
@@ -133,23 +141,82 @@ def iter_records(dataset, split="train", info=None, flag="--dataset"):
             raise UsageError(f"{flag} {dataset}: unsupported file type (use .jsonl, .json or .parquet)")
         yield from _iter_file(dataset, flag)
     elif os.path.isdir(dataset):
-        files = sorted(p for p in glob.glob(os.path.join(dataset, "**", "*"), recursive=True)
-                       if p.endswith(EXTENSIONS))
-        if not files:
-            raise UsageError(f"{flag} {dataset}: folder holds no .jsonl, .json or .parquet file")
-        for p in files:
+        for p in dataset_files(dataset, flag):
             yield from _iter_file(p, flag)
     else:
+        check_dataset(dataset, flag)  # a FIFO, a dangling link, a hub id with no hub: refused here too
         yield from _iter_hub(dataset, split, flag)
 
 
+def dataset_files(folder, flag="--dataset"):
+    """The data files of a dataset folder, recursively, sorted. Hidden entries (.git, .DS_Store) are skipped;
+    anything else must be a data file (a regular file, or a link to one) or a folder of them, so that a stray
+    notes.txt, a folder named more.json, a FIFO or a dangling link is refused now, not ignored or hit mid-run."""
+    files, seen = [], set()
+
+    def walk(d):
+        real = os.path.realpath(d)
+        if real in seen:  # a link back up the tree would walk forever
+            raise UsageError(f"{flag} {folder}: {d} links to a folder already in the dataset")
+        seen.add(real)
+        try:
+            names = sorted(os.listdir(d))
+        except OSError as e:
+            raise UsageError(f"{flag} {folder}: cannot list {d} ({e.strerror or e})")
+        for name in names:
+            if name.startswith("."):
+                continue
+            p = os.path.join(d, name)
+            try:
+                mode = os.stat(p).st_mode  # follows links
+            except OSError as e:
+                why = "a link to nothing" if os.path.islink(p) else e.strerror or str(e)
+                raise UsageError(f"{flag} {folder}: {p} cannot be read ({why})")
+            if name.endswith(EXTENSIONS):
+                if not stat.S_ISREG(mode):
+                    kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a special file"
+                    raise UsageError(f"{flag} {folder}: {p} is {kind}, not a regular file; a dataset folder holds "
+                                     f"only .jsonl, .json and .parquet files and folders of them")
+                if not os.access(p, os.R_OK):
+                    raise UsageError(f"{flag} {folder}: {p} cannot be read (permission denied)")
+                files.append(p)
+            elif stat.S_ISDIR(mode):
+                walk(p)
+            else:
+                raise UsageError(f"{flag} {folder}: {p} is not a .jsonl, .json or .parquet file; a dataset "
+                                 f"folder holds only those")
+    walk(folder)
+    if not files:
+        raise UsageError(f"{flag} {folder}: folder holds no .jsonl, .json or .parquet file")
+    return files
+
+
 def check_dataset(dataset, flag="--dataset"):
-    """Fail fast on a dataset flag that cannot be a source (before anything heavy is imported)."""
-    from .verifier import HUB_ID
+    """Fail fast, before anything heavy is imported, on a dataset flag that cannot be a source: a missing path,
+    a file of another type, a folder holding anything but data files, a hub id when the hub cannot be used."""
+    from .verifier import HUB_ID, require_hub
     if dataset == SHAREGPT:
         sharegpt_file(flag)
-    elif not os.path.exists(dataset) and not HUB_ID.match(dataset):
+    elif os.path.isdir(dataset):
+        dataset_files(dataset, flag)
+    elif os.path.isfile(dataset):
+        if not dataset.endswith(EXTENSIONS):
+            raise UsageError(f"{flag} {dataset}: unsupported file type (use .jsonl, .json or .parquet)")
+        if not os.access(dataset, os.R_OK):
+            raise UsageError(f"{flag} {dataset}: cannot be read (permission denied)")
+    elif os.path.lexists(dataset):
+        raise UsageError(f"{flag} {dataset}: not a regular file or folder (a dangling link, a FIFO, a device?)")
+    elif not HUB_ID.match(dataset):
         raise UsageError(f"{flag} {dataset}: no such file or folder (and not a hub id like org/name)")
+    elif not _hub_cached(dataset):
+        require_hub(flag, dataset, local="file or folder", instead="give a local .jsonl, .json or .parquet "
+                    "file or folder")
+
+
+def _hub_cached(dataset):
+    """Whether the local HF cache holds any of a hub dataset (then `datasets` may work offline)."""
+    from huggingface_hub import constants
+    return os.path.isdir(os.path.join(constants.HF_HUB_CACHE, "datasets--" + dataset.replace("/", "--")))
 
 
 def _iter_hub(dataset, split, flag="--dataset"):
@@ -163,16 +230,26 @@ def _iter_hub(dataset, split, flag="--dataset"):
         yield f"{dataset}[{split}] record {i}", rec
 
 
+def _text(value, where, what):
+    """`value` if it is valid Unicode: json.loads accepts a lone surrogate ("\\ud800") that no UTF-8 writer or
+    tokenizer can take, and it would fail far from its record."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{where}: {what} is not valid Unicode ({value[e.start]!r} at character {e.start})")
+    return value
+
+
 def _content(value, where, j):
     if isinstance(value, str):
-        return value
+        return _text(value, where, f"message {j} content")
     if isinstance(value, list):  # OpenAI content parts: keep the text ones
         parts = []
         for p in value:
             if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
                 raise UsageError(f"{where}: message {j} has a non-text content part; only text is supported")
             parts.append(p["text"])
-        return "".join(parts)
+        return _text("".join(parts), where, f"message {j} content")
     raise UsageError(f"{where}: message {j} content must be a string, got {type(value).__name__}")
 
 
@@ -198,9 +275,19 @@ def normalize(where, record):
         role = t.get(rkey, t.get("role", t.get("from")))
         if not isinstance(role, str):
             raise UsageError(f"{where}: message {j} has no '{rkey}' string")
+        _text(role, where, f"message {j} role")
         if role.lower() not in ROLES:
             raise UsageError(f"{where}: message {j} has unknown role '{role}' "
                              f"(known: {', '.join(sorted(ROLES))})")
         messages.append({"role": ROLES[role.lower()], "content": _content(t.get(ckey, t.get("content")), where, j)})
     rid = record.get("id", record.get("conversation_id"))
-    return (str(rid) if rid is not None else None), messages
+    if isinstance(rid, str):
+        rid = _text(rid, where, "'id'")
+    elif rid is not None:  # 7 -> "7", {"a": 1} -> '{"a":1}': JSON text, ASCII-escaped, so always writable
+        try:
+            rid = json.dumps(rid, sort_keys=True, separators=(",", ":"))
+        except TypeError:  # a parquet timestamp, bytes, ...
+            rid = str(rid)
+        except RecursionError:
+            raise UsageError(f"{where}: 'id' is nested too deep")
+    return rid, messages

@@ -4,7 +4,6 @@ Acceptance length = 1 + accepted draft tokens / drafting steps (the tokens a ver
 per-position rate i = drafts whose i-th token was accepted / drafts. Both come from vLLM's own spec-decode
 counters, read before and after each run so every batch size gets its own figures.
 """
-import json
 import logging
 import os
 import time
@@ -19,21 +18,34 @@ def check_draft(draft, fp):
     cfg_path = os.path.join(draft, "config.json")
     if not os.path.isfile(cfg_path):
         raise UsageError(f"--draft {draft}: no config.json (give a stage 04 checkpoint, e.g. data/checkpoints/last)")
-    with open(cfg_path, encoding="utf-8") as f:
-        cfg = json.load(f)
+    from .verifier import read_json, same_verifier
+    rerun = "rerun 04_train.py"
+    try:  # a checkpoint cut short (disk full, a kill mid-copy) reads as bad JSON: one line, not a traceback
+        cfg = read_json(cfg_path)
+    except UsageError as e:
+        raise UsageError(f"--draft {draft}: {e}; {rerun}")
+    if not isinstance(cfg, dict):
+        raise UsageError(f"--draft {draft}: {cfg_path} holds a JSON {type(cfg).__name__}, not a checkpoint "
+                         f"config; {rerun}")
     if cfg.get("speculators_model_type") != "eagle3":
-        raise UsageError(f"--draft {draft}: not an eagle3 speculators checkpoint "
-                         f"(speculators_model_type={cfg.get('speculators_model_type')!r})")
-    hidden = (cfg.get("transformer_layer_config") or {}).get("hidden_size")
+        raise UsageError(f"--draft {draft}: not an eagle3 speculators checkpoint ({cfg_path} has "
+                         f"speculators_model_type={cfg.get('speculators_model_type')!r}); {rerun}")
+    layer = cfg.get("transformer_layer_config")
+    hidden = layer.get("hidden_size") if isinstance(layer, dict) else None
+    if not isinstance(hidden, int):
+        raise UsageError(f"--draft {draft}: {cfg_path} lacks transformer_layer_config.hidden_size; {rerun}")
     if hidden != fp["hidden_size"]:
         raise UsageError(f"--draft {draft}: hidden size {hidden}, the verifier's is {fp['hidden_size']}; "
                          f"it was trained for another verifier")
     train_manifest = os.path.join(os.path.dirname(os.path.realpath(draft)), "manifest.json")
     if os.path.isfile(train_manifest):
-        with open(train_manifest, encoding="utf-8") as f:
-            man = json.load(f)
-        from .verifier import same_verifier
-        diff = same_verifier(man.get("verifier", {}), fp)
+        try:
+            man = read_json(train_manifest)
+        except UsageError as e:
+            raise UsageError(f"--draft {draft}: {e}; {rerun}")
+        man = man if isinstance(man, dict) else {}
+        mine = man.get("verifier")
+        diff = same_verifier(mine if isinstance(mine, dict) else {}, fp)
         if man.get("stage") == "train" and diff:
             raise UsageError(f"--draft {draft}: trained for another verifier ({diff} differs from --model-path)")
     return cfg
@@ -80,14 +92,16 @@ def spec_counters(llm):
 
 
 def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, draft=None, k=3, max_model_len=4096,
-               on_gpu=False, tp=1):
+               on_gpu=False, tp=1, trust_remote_code=False):
     """Greedy generation at each batch size (prompts submitted b at a time) -> {b: figures}."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
+    from .engine import make_llm
     kw = {}
     if draft:
         kw["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
-    llm = LLM(model=model_path, max_model_len=max_model_len, enforce_eager=not on_gpu, enable_prefix_caching=False,
-              disable_log_stats=False, tensor_parallel_size=tp, max_num_seqs=max(batch_sizes), **kw)
+    llm = make_llm(model_path, tp=tp, max_model_len=max_model_len, on_gpu=on_gpu, trust_remote_code=trust_remote_code,
+                   dtype="auto", enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=max(batch_sizes),
+                   **kw)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=False)
     results = {}
     for b in batch_sizes:
@@ -143,5 +157,5 @@ def plot(report, train_metrics, path):
     else:
         b.text(0.5, 0.5, "no stage 04 metrics found", ha="center")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")  # the path is a temporary name without .png
     plt.close(fig)

@@ -19,9 +19,16 @@ class TemplateError(Exception):
 
 def load_tokenizer(model_path, trust_remote_code=False):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    from .cli import UsageError
+    try:
+        tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        # transformers refuses custom code without the opt-in in a multi-line message: say it in one line
+        if "trust_remote_code" not in str(e):
+            raise
+        raise UsageError(f"--model-path {model_path}: the tokenizer ships its own code, which runs only with "
+                         f"--trust-remote-code; rerun with that flag if you trust that code")
     if not getattr(tok, "chat_template", None):
-        from .cli import UsageError
         raise UsageError(f"--model-path {model_path}: the tokenizer has no chat template")
     return tok
 

@@ -155,6 +155,7 @@ def plan(args):
     from .extract_output import owned as stage_owned
     jsonl, prep = resolve_prepared("--prepared-data", args.prepared_data)
     fp = verifier.fingerprint(args.model_path)
+    verifier.check_remote_code(args.model_path, args.trust_remote_code)
     cfg, _ = verifier.model_files(args.model_path)
     tc = verifier.text_config(cfg)
     diff = verifier.same_verifier(fp, prep["verifier"])

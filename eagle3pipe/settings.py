@@ -25,7 +25,7 @@ RUN_ONLY = {"output_dir", "dry_run", "overwrite", "verify", "shard"}
 def rule(ge=None, gt=None, le=None, lt=None, choices=None, path=False):
     """A field's constraints. `path`: a string that must not be empty."""
     return field(metadata={k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, choices=choices, path=path).items()
-                           if v not in (None, False)})
+                           if v is not None and v is not False})
 
 
 def _flag(name):

@@ -9,6 +9,10 @@ import hashlib
 import json
 import os
 import re
+import socket
+import threading
+import time
+from urllib.parse import urlsplit
 
 from .cli import UsageError
 
@@ -20,12 +24,68 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def _hub_file(model_path, name):
-    """A file of a hub model (from the local HF cache or the hub). Only used for non-local paths."""
+def hub_reachable(timeout=2.0):
+    """Whether a TCP connection to the hub endpoint (or the HTTPS proxy) opens within `timeout` seconds in all.
+    Without this probe, huggingface_hub and datasets retry for tens of seconds and print pages of tracebacks."""
+    url = urlsplit(os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") or hub_endpoint())
+    if not url.hostname:
+        return False
+    deadline = time.monotonic() + timeout
+    found = []
+
+    def resolve():
+        try:
+            found.append(socket.getaddrinfo(url.hostname, url.port or (80 if url.scheme == "http" else 443),
+                                            type=socket.SOCK_STREAM))
+        except OSError:  # unknown name, no resolver: found stays empty
+            pass
+    # getaddrinfo has no timeout of its own (a dead resolver blocks 5 s per try): a daemon thread bounds it
+    t = threading.Thread(target=resolve, daemon=True)
+    t.start()
+    t.join(timeout)
+    for family, kind, proto, _, addr in (found[0] if found else []):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.settimeout(left)
+                s.connect(addr)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def hub_endpoint():
+    return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+
+
+def require_hub(flag, name, local="folder", instead="give a local model folder"):
+    """Refuse at once a hub id that is not in the local cache when the hub cannot be used (HF_HUB_OFFLINE, or no
+    answer within 2 s), instead of the libraries' tens of seconds of retries."""
+    from huggingface_hub import constants
+    why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else
+           None if hub_reachable() else f"the hub ({urlsplit(hub_endpoint()).hostname}) cannot be reached")
+    if why:
+        raise UsageError(f"{flag} {name}: not a local {local}, not in the local HF cache, and {why}; {instead}")
+
+
+def _hub_file(model_path, name, optional=False):
+    """A file of a hub model: from the local HF cache if there, else from the hub. Only used for non-local paths.
+    `optional`: None when the repository has no such file."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    cached = try_to_load_from_cache(model_path, name)
+    if isinstance(cached, str):
+        return cached
+    if cached is not None and optional:  # the cache recorded that the repository has no such file
+        return None
+    require_hub("--model-path", model_path)
     try:
-        from huggingface_hub import hf_hub_download
         return hf_hub_download(model_path, name)
-    except Exception as e:  # offline, gated, missing: all are the operator's to fix
+    except Exception as e:  # gated, missing, the network failing after the probe: all are the operator's to fix
+        if optional and "EntryNotFound" in type(e).__name__:
+            return None
         raise UsageError(f"--model-path {model_path}: not a local folder and {name} could not be fetched "
                          f"from the hub ({type(e).__name__}); give a local model folder")
 
@@ -42,17 +102,29 @@ def model_files(model_path):
         folder = os.path.dirname(cfg_path)
     else:
         raise UsageError(f"--model-path {model_path}: folder not found (and not a hub id like org/name)")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{cfg_path}: not valid JSON ({e})")
+    cfg = read_json(cfg_path)
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
     return cfg, folder
+
+
+def read_json(path):
+    """A small JSON file the pipeline reads (a config); any way it is unreadable is one line naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+        raise UsageError(f"{path}: not valid JSON ({e})")
+    except RecursionError:
+        raise UsageError(f"{path}: not valid JSON (nested too deep)")
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read ({e.strerror or e})")
 
 
 def text_config(cfg):
     """The language model's config: multimodal wrappers (Kimi-K2.5, Llava, ...) nest it in text_config."""
-    return cfg.get("text_config") or cfg.get("language_config") or cfg
+    tc = cfg.get("text_config") or cfg.get("language_config")
+    return tc if isinstance(tc, dict) else cfg
 
 
 def fingerprint(model_path):
@@ -85,6 +157,70 @@ def fingerprint(model_path):
         "torch_dtype": tc.get("torch_dtype") or cfg.get("torch_dtype") or tc.get("dtype") or cfg.get("dtype"),
         "tokenizer_sha256": h.hexdigest()[:16] if found else None,
     }
+
+
+def _transformers_knows():
+    """(model types, tokenizer class names without 'Fast') of the installed transformers, read from its source:
+    importing transformers imports torch (seconds), and this check runs before anything heavy. None if not found."""
+    import glob
+    import importlib.util
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = spec.submodule_search_locations[0]
+
+    def read(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError:
+            return ""
+    auto = os.path.join(root, "models", "auto")
+    # ("llama", "LlamaConfig") and "mlcd": "MLCDVisionConfig"; auto_mappings.py in 5.x, configuration_auto.py in 4.x
+    mappings = read(os.path.join(auto, "auto_mappings.py")) + read(os.path.join(auto, "configuration_auto.py"))
+    types = set(re.findall(r'"([\w-]+)"\s*[,:]\s*"\w+Config"', mappings))
+    classes = set(re.findall(r'"(\w+(?:Tokenizer|Backend)(?:Fast)?)"',
+                             read(os.path.join(auto, "tokenization_auto.py"))))
+    for path in glob.glob(os.path.join(root, "models", "*", "tokenization_*.py")) + \
+            glob.glob(os.path.join(root, "tokenization_*.py")):
+        # classes and aliases (PreTrainedTokenizerFast = TokenizersBackend)
+        classes.update(a or b for a, b in re.findall(r"^(?:class (\w+)\(|(\w+) = [A-Z]\w*\s*$)", read(path), re.M))
+    if not types:
+        return None
+    return types, {c.removesuffix("Fast") for c in classes}
+
+
+def check_remote_code(model_path, trust_remote_code):
+    """Refuse, without --trust-remote-code, a verifier that ships its own code transformers cannot replace: a
+    config.json `auto_map` with a model type transformers does not know, or a tokenizer_config.json `auto_map`
+    naming an AutoTokenizer whose tokenizer_class transformers does not know (a generic tokenizer in its place
+    could tokenize differently). transformers itself never runs that code without the flag; this makes the
+    refusal one line, in seconds, before anything loads. Reads JSON only: no torch, no transformers import."""
+    if trust_remote_code:
+        return
+    cfg, folder = model_files(model_path)
+    known = _transformers_knows()
+    if known is None:  # cannot tell: transformers' own refusal (masks.load_tokenizer) still applies
+        return
+    types, classes = known
+    hint = "rerun with --trust-remote-code if you trust that code"
+    model_type = cfg.get("model_type")
+    if cfg.get("auto_map") and (not isinstance(model_type, str) or model_type not in types):
+        raise UsageError(f"--model-path {model_path}: the model ships its own code (config.json auto_map, model_type "
+                         f"{model_type!r} unknown to the installed transformers); {hint}")
+    if os.path.isdir(model_path):
+        tok_path = os.path.join(folder, "tokenizer_config.json")
+        tok_path = tok_path if os.path.isfile(tok_path) else None
+    else:
+        tok_path = _hub_file(model_path, "tokenizer_config.json", optional=True)
+    tok_cfg = read_json(tok_path) if tok_path else {}
+    auto_map = tok_cfg.get("auto_map") if isinstance(tok_cfg, dict) else None
+    # the legacy form is a bare [slow, fast] list
+    ships = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map
+    tok_class = tok_cfg.get("tokenizer_class") if isinstance(tok_cfg, dict) else None
+    if ships and (not isinstance(tok_class, str) or tok_class.removesuffix("Fast") not in classes):
+        raise UsageError(f"--model-path {model_path}: the tokenizer ships its own code (tokenizer_config.json "
+                         f"auto_map, tokenizer_class {tok_class!r} unknown to the installed transformers); {hint}")
 
 
 # The fields that must agree between stages; name_or_path may differ (a copied or moved model).

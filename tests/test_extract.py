@@ -56,7 +56,7 @@ def test_preflight_refusals(prep, model_path, tmp_path):
     cfg["hidden_size"] = 640
     json.dump(cfg, open(other / "config.json", "w"))
     (tmp_path / "v").mkdir()
-    json.dump({"stage": "vocab"}, open(tmp_path / "v" / "manifest.json", "w"))
+    json.dump({"stage": "vocab", "names": ["manifest.json"]}, open(tmp_path / "v" / ".eagle3-owner.json", "w"))
     out = str(tmp_path / "hs")
     cases = [
         (["--data-path", str(prep)], ["unknown flag --data-path", "did you mean --prepared-data"]),

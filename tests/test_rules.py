@@ -1,0 +1,187 @@
+"""The pure rules, no model: which names a stage owns, which output paths are refused, the one-writer lock, and
+the typed settings records (types, finiteness, ranges, choices, rules between flags) with the config file's keys."""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from eagle3pipe import cli, outdir, settings
+from eagle3pipe.cli import UsageError
+
+pytestmark = pytest.mark.unit
+
+
+def test_owned_names_are_exact():
+    own = outdir.Owned(["manifest.json", ".bridge"], {"hs_{}.safetensors": 12})
+    for name in ("manifest.json", "hs_0.safetensors", "hs_11.safetensors", outdir.OWNER, outdir.LOCK):
+        assert name in own, name
+    # names that only start or end like ours, other renderings of an index, indices past the recorded count
+    for name in ("manifest.json.bak", "hs_backup_2025", "hs_007.safetensors", "hs_12.safetensors", "hs_.safetensors",
+                 "hs_1.safetensors.bak", "2025", "Manifest.json", "hs_-1.safetensors", "hs_1 .safetensors"):
+        assert name not in own, name
+    assert own.temp_of(".hs_3.safetensors.tmp-123") == ("hs_3.safetensors", 123)
+    assert own.temp_of(".bridge.tmp-9") == ("bridge", 9)  # speculators' bridge folder: '.bridge' + '.tmp-<pid>'
+    assert own.temp_of(".notes.txt.tmp-5") == (None, None)
+    assert own.temp_of(".hs_3.safetensors.tmp-12x") == (None, None)
+    merged = own | outdir.Owned(["x"], {"hs_{}.safetensors": 3})
+    assert "x" in merged and "hs_11.safetensors" in merged  # a smaller later run keeps the earlier names
+
+
+@pytest.mark.parametrize("path,needle", [
+    ("", "empty path"), ("  ", "empty path"), ("/", "filesystem root"), ("~", "home folder"),
+    (REPO, "repository root"), (os.path.dirname(REPO), "contains the repository root"), (".", "the working folder"),
+    ("..", "contains the working folder"),
+])
+def test_refused_output_paths(path, needle, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path / "..")  # a working folder of its own: "." is not the repository here
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=needle):
+        outdir.check_path("--output-dir", path)
+
+
+def test_outputs_that_are_inside_or_contain_an_input(tmp_path):
+    data = tmp_path / "in"
+    data.mkdir()
+    (data / "chats.jsonl").write_text("{}\n")
+    for out, word in ((data, "is the input"), (data / "sub", "is inside the input"), (tmp_path, "contains the input")):
+        with pytest.raises(UsageError, match=word):
+            outdir.check_path("--output-dir", str(out), [("--dataset", str(data))])
+    with pytest.raises(UsageError, match="contains the input --dataset .*chats.jsonl"):  # a file inside the output
+        outdir.check_path("--output-dir", str(data), [("--dataset", str(data / "chats.jsonl"))])
+    link = tmp_path / "link"
+    link.symlink_to(data, target_is_directory=True)  # resolved first: a symlink to an input is that input
+    with pytest.raises(UsageError, match="is the input"):
+        outdir.check_path("--output-dir", str(link), [("--dataset", str(data))])
+    assert outdir.check_path("--output-dir", str(tmp_path / "new"), [("--dataset", str(data))])
+
+
+def test_folders_holding_anything_not_ours_are_refused(tmp_path):
+    own = outdir.Owned(["manifest.json"])
+    for name in (".git", ".env", "notes.txt"):
+        d = tmp_path / name.strip(".")
+        d.mkdir()
+        (d / name).mkdir() if name == ".git" else (d / name).write_text("x")
+        with pytest.raises(UsageError, match=f"holds '{name}'"):
+            outdir.check("--output-dir", str(d), "vocab", own)
+    d = tmp_path / "other_stage"
+    d.mkdir()
+    outdir.claim("--output-dir", str(d), "prepare", own)
+    with pytest.raises(UsageError, match="holds the output of stage 'prepare'"):
+        outdir.check("--output-dir", str(d), "vocab", own)
+
+
+def test_claim_records_first_removes_only_dead_temps_and_overwrite_only_ours(tmp_path):
+    d = tmp_path / "out"
+    own = outdir.Owned(["a.npy", "manifest.json"])
+    assert outdir.claim("--output-dir", str(d), "vocab", own) == str(d)
+    assert outdir.read_owner(str(d))["names"] == ["a.npy", "manifest.json"]
+    (d / "a.npy").write_text("ours")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip()
+        (d / f".a.npy.tmp-{live.pid}").write_text("a live writer's")
+        (d / f".a.npy.tmp-{dead}").write_text("a dead writer's")
+        outdir.clean_temps(str(d), own)
+        assert (d / f".a.npy.tmp-{live.pid}").exists() and not (d / f".a.npy.tmp-{dead}").exists()
+    finally:
+        live.kill()
+    outdir.remove_owned(str(d), own)
+    assert set(os.listdir(d)) == {outdir.LOCK, outdir.OWNER}
+
+
+def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
+    d = tmp_path / "out"
+    own = outdir.Owned(["a.npy"])
+    code = (f"import sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe import outdir; "
+            f"outdir.claim('--output-dir', {str(d)!r}, 'vocab', outdir.Owned(['a.npy'])); print('held', flush=True); "
+            f"time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UsageError, match=f"in use by another run \\(PID {holder.pid} "):
+            outdir.check("--output-dir", str(d), "vocab", own)
+        # declared shard replicas share the folder, but one shard is never run twice
+        with pytest.raises(UsageError, match="in use by another run"):
+            outdir.check("--output-dir", str(d), "vocab", own, shard=(0, 2))
+    finally:
+        holder.kill()
+        holder.wait()
+    outdir.claim("--output-dir", str(d), "vocab", own, shard=(0, 2))  # the holder is gone: the lock went with it
+    outdir.check("--output-dir", str(d), "vocab", own, shard=(1, 2))
+    with pytest.raises(UsageError, match="in use by another run"):
+        outdir.check("--output-dir", str(d), "vocab", own)
+
+
+def record(cls, **over):
+    base = {f: None for f in cls.__dataclass_fields__}
+    base.update(model_path="m", dataset="d", split="train", output_dir="o", prepared_data="p", hidden_states="h",
+                vocab_mapping="v", draft="x", prompts="sharegpt", backend="vllm", storage_dtype="bf16", device="auto",
+                loss_implementation="auto", max_seq_len=16, seed=0, tp_size=1, batch_size=1, epochs=1, lr=1e-3,
+                total_seq_len=64, num_layers=1, ttt_steps=1, checkpoint_freq=1.0, log_every=1, val_ratio=0.1,
+                num_prompts=1, num_speculative_tokens=1, max_new_tokens=1, batch_sizes=[1], draft_vocab_size=8,
+                gpu_memory_utilization=0.5, regen_temperature=0.0, regen_max_tokens=1, regen_batch_size=1,
+                regen_tp_size=1)
+    for flag in ("trust_remote_code", "regenerate", "verify", "dry_run", "overwrite", "fsdp"):
+        base[flag] = False
+    base.update(over)
+    return cls(**{k: v for k, v in base.items() if k in cls.__dataclass_fields__})
+
+
+@pytest.mark.parametrize("cls,over,needle", [
+    (settings.Train, {"checkpoint_freq": math.nan}, "--checkpoint-freq nan: must be a finite number"),
+    (settings.Train, {"checkpoint_freq": math.inf}, "finite"),
+    (settings.Train, {"warmup_steps": -5}, "--warmup-steps -5: must be at least 0"),
+    (settings.Train, {"num_workers": -1}, "--num-workers -1: must be at least 0"),
+    (settings.Train, {"lr": 1.5}, "--lr 1.5: must be less than 1"),
+    (settings.Train, {"device": "tpu"}, "--device 'tpu': choose one of auto, cpu, cuda"),
+    (settings.Train, {"epochs": True}, "--epochs True: expected an integer"),
+    (settings.Extract, {"gpu_memory_utilization": 0.0}, "must be greater than 0"),
+    (settings.Extract, {"writer_threads": 65}, "--writer-threads 65: must be at most 64"),
+    (settings.Extract, {"layer_ids": [2, -1]}, "--layer-ids"),
+    (settings.Extract, {"max_tokens_per_batch": 8}, "--max-tokens-per-batch 8: must be at least --max-seq-len"),
+    (settings.Extract, {"shard": (0, 2), "overwrite": True}, "--overwrite with --shard"),
+    (settings.Prepare, {"regen_temperature": -0.1}, "--regen-temperature -0.1"),
+    (settings.Prepare, {"output_dir": ""}, "--output-dir: empty path"),
+    (settings.Evaluate, {"batch_sizes": []}, "--batch-sizes"),
+    (settings.Evaluate, {"batch_sizes": [1, 0]}, "--batch-sizes"),
+    (settings.Vocab, {"draft_vocab_size": "8"}, "expected an integer"),
+])
+def test_records_refuse_bad_values(cls, over, needle):
+    with pytest.raises(UsageError, match=needle.replace("(", "\\(").replace(")", "\\)")):
+        record(cls, **over)
+
+
+def test_records_are_frozen_and_serialize():
+    r = record(settings.Train)
+    with pytest.raises(Exception):
+        r.lr = 0.5
+    assert r.asdict()["lr"] == 1e-3
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("seed: 1\nseed: 2\n", "key 'seed' given twice (line 2)"),
+    ("train:\n  lr: 0.1\n  lr: 0.2\n", "key 'lr' given twice (line 3)"),
+    ("prepare:\n  total_seq_len: 4\n", "unknown key 'prepare.total_seq_len' (stage prepare does not take it)"),
+    ("vocab:\n  model_path: x\n", "unknown key 'vocab.model_path'"),
+    ("extract:\n  dry_run: true\n", "unknown key 'extract.dry_run'"),
+    ("checkpoint_freq: .nan\n", "key 'checkpoint_freq' must be a number"),
+    ("layer_ids: [2, x]\n", "key 'layer_ids' must be a list of integers"),
+    ("[" * 5000 + "]" * 5000 + "\n", "not valid YAML"),
+])
+def test_config_file_refusals(tmp_path, text, needle):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=needle.replace("(", "\\(").replace(")", "\\)").replace("[", "\\[")):
+        cli.load_config(str(path), "train")
+
+
+def test_config_top_level_keys_apply_only_to_the_stages_that_take_them(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("draft_vocab_size: 100\nmax_seq_len: 64\nvocab_mapping: v\nprepare:\n  num_samples: 3\n")
+    assert cli.load_config(str(path), "prepare") == {"max_seq_len": 64, "num_samples": 3}
+    assert cli.load_config(str(path), "vocab") == {"draft_vocab_size": 100, "output_dir": "v"}
+    assert cli.load_config(str(path), "train") == {"vocab_mapping": "v"}
