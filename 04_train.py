@@ -42,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--num-workers", type=int, default=None, help="dataloader workers (default: 0 on CPU; on GPU up to 12 per rank, cores allowing)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP under torchrun (default: DDP)")
     p.add_argument("--loss-implementation", choices=["auto", "fused", "eager"], default="auto",
-                   help="speculators' loss: auto = its Triton-fused loss on GPU, eager on CPU")
+                   help="speculators' loss: auto = its Triton-fused loss where a seconds-long probe compiles it, else eager "
+                        "(always on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="delete previous checkpoints in --output-dir first")
@@ -76,7 +77,8 @@ def main():
         training.build_bridge(rows, bridge)
     training.wait_for_bridge(bridge)
     aux = ext["layer_ids"][:-1]  # the draft's inputs; the last id (n) is the verifier's last hidden state
-    cfg = training.train_config(args, bridge, aux, on_cpu, storage=ext.get("storage_dtype", "bf16"))
+    cfg = training.train_config(args, bridge, aux, on_cpu, voc["counts"]["draft_vocab_size"],
+                                storage=ext.get("storage_dtype", "bf16"))
     log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(rows) - len(failed)} rows "
              f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
              f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}")
@@ -94,10 +96,10 @@ def main():
             speculators_config=json.loads(json.dumps(cfg.flatten(), default=str)), **result))
         last = os.path.join(out, "last")
         log.info(f"checkpoint: {last} -> {os.path.realpath(last)}")
-        print(f"serve it: vllm serve {args.model_path} --speculative-config "
-              f"'{{\"method\": \"eagle3\", \"model\": \"{last}\", \"num_speculative_tokens\": {args.ttt_steps}}}'")
+        from eagle3pipe.engine import serve_command
+        print(f"serve it: {serve_command(args.model_path, last, args.ttt_steps)}")
     return 0
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, exit_now=True)

@@ -68,11 +68,11 @@ def main():
     common = dict(max_model_len=max_len, on_gpu=bool(gpus), tp=args.tp_size, trust_remote_code=args.trust_remote_code)
     base = evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, **common)
     spec = evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, draft=os.path.abspath(args.draft),
-                                 k=args.num_speculative_tokens, **common)
-    same = sum(a == b for a, b in zip(base[1]["outputs"], spec[1]["outputs"]))
+                                 k=args.num_speculative_tokens, reference=base[1]["outputs"], **common)
+    diffs = spec[1].pop("divergences")
     report = {
         "acceptance_length": spec[max(sizes)]["acceptance_length"], "num_prompts": len(prompts),
-        "greedy_identical_at_batch_1": f"{same}/{len(prompts)}",
+        "greedy_identical_at_batch_1": f"{len(prompts) - len(diffs)}/{len(prompts)}", "greedy_divergences": diffs,
         "baseline": {b: {k: v for k, v in r.items() if k != "outputs"} for b, r in base.items()},
         "speculative": {b: {k: v for k, v in r.items() if k != "outputs"} for b, r in spec.items()},
         "speedup": {b: round(spec[b]["tokens_per_s"] / base[b]["tokens_per_s"], 3) for b in sizes},
@@ -92,8 +92,7 @@ def main():
         pos = " ".join(f"{x:.2f}" for x in s["per_position"])
         print(f"{b:>5} {s['acceptance_length'] or 0:>10.3f} {pos:>26} {base[b]['tokens_per_s']:>10.1f} "
               f"{s['tokens_per_s']:>10.1f} {report['speedup'][b]:>7.2f}x")
-    print(f"greedy outputs identical at batch size 1: {report['greedy_identical_at_batch_1']}; "
-          f"report: {os.path.join(args.output_dir, 'report.json')}")
+    print(f"{evaluation.explain(diffs, len(prompts))}; report: {os.path.join(args.output_dir, 'report.json')}")
     return 0
 
 

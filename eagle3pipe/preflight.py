@@ -187,12 +187,13 @@ def plan(args):
         if not gpus and args.tp_size > 1:
             raise UsageError(f"--tp-size {args.tp_size}: no GPU visible; on CPU use --tp-size 1")
     rows = counts["rows"]
+    if args.backend == "hf" and args.tp_size > 1:
+        raise UsageError(f"--tp-size {args.tp_size}: the hf backend has no tensor parallelism (it places whole layers "
+                         f"on the visible GPUs, one GPU at a time); use --backend vllm, or drop --tp-size and choose "
+                         f"the GPUs with CUDA_VISIBLE_DEVICES")
     if args.batch_size > rows:
         log_warn = (f"--batch-size {args.batch_size} is larger than the {rows} prepared samples: it is the number "
                     f"of samples per forward step, not the number of samples to extract (all are extracted)")
-    elif args.backend == "hf" and args.tp_size > 1:
-        log_warn = (f"--tp-size {args.tp_size} is ignored by the hf backend: it spreads the layers over all "
-                    f"visible GPUs (device_map=auto); choose them with CUDA_VISIBLE_DEVICES")
     else:
         log_warn = None
     owned = stage_owned(counts["rows"], args.shard)

@@ -268,7 +268,7 @@ def prepare_output(args, identity, inputs, rank):
     return out
 
 
-def train_config(args, bridge, aux_layer_ids, on_cpu, storage="bf16"):
+def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16"):
     from speculators.train.config import TrainConfig
     # GPU: up to 12 workers per rank (speculators' default) but no more than the cores each rank has: reading
     # per-sample files is most of a step's input cost. CPU: none, the training step already uses every core.
@@ -288,11 +288,61 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, storage="bf16"):
         "log_dir": os.path.join(os.path.abspath(args.output_dir), "logs"), "seed": args.seed, "fsdp_shard": args.fsdp,
         "logger": "",
     }
-    if on_cpu:  # no Triton driver, no flex attention: speculators' eager loss and torch's sdpa
-        flat.update(draft_attn_impl="sdpa", loss_implementation="eager")
-    if args.loss_implementation != "auto":
-        flat["loss_implementation"] = args.loss_implementation
+    if on_cpu:  # no Triton driver, no flex attention: torch's sdpa
+        flat.update(draft_attn_impl="sdpa")
+    flat["loss_implementation"] = choose_loss(args.loss_implementation, on_cpu, draft_vocab, args.ttt_steps)
     return TrainConfig.from_flat(flat)
+
+
+def choose_loss(requested, on_cpu, draft_vocab, ttt_steps):
+    """speculators' loss implementation. `auto`: its Triton-fused loss where it compiles, else the eager one. On CPU
+    there is no Triton driver. On GPU the fused loss runs inside the draft's compiled forward, and some torch versions
+    fail to compile it ("ListVariable(...) is already tracked for mutation" on torch 2.11, after two minutes of
+    compiling): a probe compiles the same loss on the real draft vocabulary first, and its answer is logged."""
+    if requested != "auto":
+        return requested
+    if on_cpu:
+        return "eager"
+    t0 = time.time()
+    why = fused_loss_fails(draft_vocab, ttt_steps)
+    if why:
+        log.info(f"loss implementation: eager (speculators' fused Triton loss does not compile here: {why}; probe "
+                 f"{time.time() - t0:.0f} s)")
+        return "eager"
+    log.info(f"loss implementation: fused (the probe compiled and ran it in {time.time() - t0:.0f} s)")
+    return "fused"
+
+
+def fused_loss_fails(draft_vocab, ttt_steps, tokens=256):
+    """Compile speculators' fused loss as the draft's forward uses it (every TTT step's loss and metrics in one
+    torch.compile graph) and run forward and backward once on [1, tokens, draft_vocab] logits. None when it works,
+    else the error's first line."""
+    import torch
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3.metrics import compute_metrics
+    cfg = resolve_loss_config("kl_div", "fused")
+
+    @torch.compile
+    def loss_of(logits, targets, mask):
+        prev = torch.ones(mask.shape, dtype=torch.bool, device=mask.device)
+        total, metrics = 0, {}
+        for step in range(ttt_steps):
+            loss, m = compute_metrics(logits, targets, mask, prev, step, 1.0, loss_config=cfg)
+            total, metrics = total + loss, {**metrics, **m}
+        return total, metrics
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        logits = torch.randn(1, tokens, draft_vocab, device="cuda", generator=g, requires_grad=True)
+        targets = torch.randn(1, tokens, draft_vocab, device="cuda", generator=g)
+        mask = torch.ones(1, tokens, dtype=torch.bool, device="cuda")
+        total, _ = loss_of(logits, targets, mask)
+        total.backward()
+        torch.cuda.synchronize()
+        return None if torch.isfinite(logits.grad).all() else "non-finite gradient"
+    except Exception as e:  # any failure to compile or run means: not here
+        return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    finally:
+        torch._dynamo.reset()
 
 
 def run(cfg, args, on_cpu):

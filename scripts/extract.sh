@@ -19,6 +19,7 @@ PY=${PYTHON:-.venv/bin/python}
 N=${REPLICAS:-1}
 [[ $N =~ ^[1-9][0-9]*$ ]] || { echo "error: REPLICAS=$N: expected a positive integer" >&2; exit 2; }
 has() { local f=$1; shift; for a in "$@"; do [[ $a == "$f" || $a == "$f="* ]] && return 0; done; return 1; }
+has_hf() { local prev=; for a in "$@"; do [[ $a == --backend=hf || ( $prev == --backend && $a == hf ) ]] && return 0; prev=$a; done; return 1; }
 if [ "$N" -gt 1 ]; then
   has --shard "$@" && { echo "error: --shard with REPLICAS=$N: the script gives each replica its shard" >&2; exit 2; }
   if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then IFS=, read -ra GPUS <<< "$CUDA_VISIBLE_DEVICES"
@@ -29,7 +30,8 @@ if [ "$N" -gt 1 ]; then
   (( TP >= 1 && N * TP <= G )) || { echo "error: REPLICAS=$N x --tp-size $TP needs $(( N * (TP > 0 ? TP : 1) )) GPUs; $G visible" >&2; exit 2; }
 fi
 DEFAULTS=()
-has --tp-size "$@" || has --config "$@" || DEFAULTS+=(--tp-size "${TP:-${TP_SIZE:-8}}")
+# the hf backend has no tensor parallelism: no default --tp-size for it
+has --tp-size "$@" || has --config "$@" || has_hf "$@" || DEFAULTS+=(--tp-size "${TP:-${TP_SIZE:-8}}")
 has --batch-size "$@" || has --config "$@" || DEFAULTS+=(--batch-size "${BATCH_SIZE:-4}")
 ARGS=("${DEFAULTS[@]}" "$@")
 

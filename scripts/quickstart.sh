@@ -20,4 +20,4 @@ $PY 04_train.py --config $CFG --epochs "${EPOCHS:-1}";               stamp "04 t
 $PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "${NUM_PROMPTS:-8}" \
     --max-new-tokens 64 --batch-sizes 1,4;                           stamp "05 evaluate"
 echo "quickstart: the draft is data/checkpoints/last; serve it with vLLM:"
-echo "  vllm serve data/models/smollm2-135m-instruct --speculative-config '{\"method\": \"eagle3\", \"model\": \"data/checkpoints/last\", \"num_speculative_tokens\": 3}'"
+echo "  $($PY -c 'from eagle3pipe.engine import serve_command as s; print(s("data/models/smollm2-135m-instruct", "data/checkpoints/last", 3))')"

@@ -72,6 +72,7 @@ def test_preflight_refusals(prep, model_path, tmp_path):
         (["--model-path", str(other)], ["another verifier", "hidden_size", "rerun 01_prepare_dataset.py"]),
         (["--output-dir", str(tmp_path / "v")], ["holds the output of stage 'vocab'"]),
         (["--backend", "tgi"], ["--backend", "invalid choice"]),
+        (["--backend", "hf", "--tp-size", "8"], ["--tp-size 8", "hf backend has no tensor parallelism"]),
     ]
     for argv, needles in cases:
         base = ["--model-path", model_path, "--prepared-data", str(prep), "--output-dir", out, "--max-seq-len", "256"]
@@ -226,7 +227,7 @@ def test_extract_sh_preflight_then_nohup(prep, model_path, tmp_path):
     # the launcher's default TP 8 (vLLM) is refused on a machine without GPUs, before anything starts
     p = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--tp-size 8" in p.stderr and not out.exists()
-    p = subprocess.run(base + ["--backend", "hf", "--tp-size", "1"], cwd=REPO, capture_output=True, text=True,
+    p = subprocess.run(base + ["--backend", "hf"], cwd=REPO, capture_output=True, text=True,  # no default TP for hf
                        timeout=60)
     assert p.returncode == 0, p.stderr
     assert f"tail -f {out}/extract.log" in p.stdout and "plan:" in p.stdout

@@ -169,14 +169,15 @@ def test_a_second_run_on_the_same_folder_is_refused_and_the_first_completes(prep
     argv = [sys.executable, "02_extract_hidden_states.py", "--model-path", model_path, "--prepared-data", str(prep),
             "--output-dir", str(out), "--max-seq-len", "256", "--backend", "hf", "--batch-size", "1"]
     first = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # another live writer
     try:
         lock = out / ".eagle3.lock"
         deadline = time.time() + 60
         while not (lock.exists() and lock.read_text().startswith("PID")) and first.poll() is None:
             assert time.time() < deadline
             time.sleep(0.05)
-        # a temporary file of the live first run (its pid): a second run must not delete it
-        live_tmp = out / f".hs_5.safetensors.tmp-{first.pid}"
+        # a temporary file of a live process: neither run may delete it
+        live_tmp = out / f".hs_5.safetensors.tmp-{writer.pid}"
         live_tmp.write_bytes(b"in flight")
         p, secs = run_script(*argv[1:])
         refused(p, secs, "in use by another run", f"PID {first.pid}")
@@ -184,8 +185,11 @@ def test_a_second_run_on_the_same_folder_is_refused_and_the_first_completes(prep
     finally:
         stdout, stderr = first.communicate(timeout=300)
     assert first.returncode == 0, stderr[-3000:]
-    os.remove(live_tmp)  # the first run is gone: a rerun would clean it; here the test does
-    assert json.load(open(out / "manifest.json"))["complete"]
+    assert json.load(open(out / "manifest.json"))["complete"] and live_tmp.read_bytes() == b"in flight"
+    writer.kill()
+    writer.wait()
+    p, _ = run_script(*argv[1:])  # its writer is gone now: the rerun removes the leftover and has nothing to do
+    assert p.returncode == 0 and not live_tmp.exists(), p.stderr[-2000:]
 
 
 def test_bad_numbers_are_refused_before_anything_exists(stages, model_path, tmp_path):
@@ -224,7 +228,7 @@ def test_a_stage01_row_edited_after_stage02_is_named(stages, model_path, tmp_pat
 @pytest.mark.parametrize("content,needle", [
     ("[]", "expected a JSON object, got list"),
     ('{"stage": "prepare", "format_version": 1, "args": {}}', "field 'content_id' is missing"),
-    ("{" * 100000, "nested too deep"),
+    ("[" * 100000, "nested too deep"),
     ('{"stage": "prepare"', "unreadable"),
 ])
 def test_manifests_that_are_not_what_a_stage_wrote(prep, tmp_path, content, needle):

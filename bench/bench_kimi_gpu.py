@@ -1,0 +1,156 @@
+"""Benchmark: Kimi-K2.5's architecture class on one NVIDIA GPU. A random DeepSeek-V3 at Kimi's width (hidden 7168, MLA
+latent 512, 64 heads, routed experts of 2048 plus a shared one, `noaux_tc` routing) in two depths, through stage 02
+(HF backend: vLLM is not on the lent image) against a bare forward of the same batches, bf16 and fp8 storage, then
+stages 03 and 04 with default settings on the shallow one (stage 04's loss chosen by its probe), timing how long
+stage 04 takes to exit after its last line.
+
+    python bench/bench_kimi_gpu.py --assets .gpu --work /tmp/k [--num-samples 250] [--depths 4,12]
+
+--assets: the tokenizer files and config.json of SmolLM2 (the vocabulary; the weights are random: this measures
+speed, not quality) and train.json (ShareGPT). Prints one RESULT line (JSON).
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_extract_gpu import REPO, bare_forward, stage02, wait  # noqa: E402
+
+KIMI = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=64,
+            num_key_value_heads=64, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+            v_head_dim=128, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+            max_position_embeddings=8192, tie_word_embeddings=False)
+
+
+def make_verifier(assets, dst, layers, experts, topk):
+    import torch
+    from transformers import DeepseekV3Config, AutoModelForCausalLM
+    if os.path.exists(os.path.join(dst, "config.json")):
+        return
+    vocab = json.load(open(os.path.join(assets, "config.json")))["vocab_size"]
+    cfg = DeepseekV3Config(vocab_size=vocab, num_hidden_layers=layers, n_routed_experts=experts,
+                           num_experts_per_tok=topk, **KIMI)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(dst)
+    del model
+    torch.cuda.empty_cache()
+    c = json.load(open(os.path.join(dst, "config.json")))
+    c.update(topk_method="noaux_tc", scoring_func="sigmoid")
+    json.dump(c, open(os.path.join(dst, "config.json"), "w"), indent=2)
+    for n in os.listdir(assets):
+        if n.startswith(("tokenizer", "chat_template", "special_tokens", "generation")):
+            shutil.copy(os.path.join(assets, n), dst)
+    os.sync()  # the weights' writeback must not compete with the first run's files
+
+
+def steady_rate(out, rows, lo=0.1, hi=0.9):
+    """Tokens/s of stage 02 in its steady state: the files written between the 10th and 90th percentile of their
+    write times (a short run's first batch and its writers' final drain are fixed costs a 20-hour run does not see)."""
+    t = sorted((os.path.getmtime(f"{out}/hs_{i}.safetensors"), len(r)) for i, r in enumerate(rows)
+               if os.path.exists(f"{out}/hs_{i}.safetensors"))
+    a, b = int(len(t) * lo), int(len(t) * hi)
+    return sum(n for _, n in t[a + 1:b + 1]) / (t[b][0] - t[a][0])
+
+
+def bare_steady(per_batch, lo=0.1, hi=0.9):
+    a, b = int(len(per_batch) * lo), int(len(per_batch) * hi)
+    mid = per_batch[a:b]
+    return sum(n for _, n in mid) / sum(s for s, _ in mid)
+
+
+def run(cmd, log, env=None):
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    open(log, "w").write(p.stdout + p.stderr)
+    if p.returncode:
+        print((p.stdout + p.stderr)[-4000:])
+        raise SystemExit(f"{cmd[1]} failed ({p.returncode})")
+    return p, time.time() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--assets", required=True)
+    ap.add_argument("--work", default="/tmp/k")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--num-samples", type=int, default=250)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--depths", default="4,12")
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--train-steps", type=int, default=40)
+    a = ap.parse_args()
+    import torch
+    sys.path.insert(0, REPO)
+    from eagle3pipe.extraction import make_batches
+    py, w, res = sys.executable, a.work, {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    os.makedirs(w, exist_ok=True)
+    bs = ["--batch-size", str(a.batch_size)]
+    for n in [int(x) for x in a.depths.split(",")]:
+        model, prep, r = f"{w}/v{n}", f"{w}/prep{n}", {}
+        t0 = time.time()
+        make_verifier(a.assets, model, n, a.experts, a.topk)
+        r["verifier_create_s"] = round(time.time() - t0, 1)
+        run([py, "01_prepare_dataset.py", "--model-path", model, "--dataset", f"{a.assets}/train.json", "--num-samples",
+             str(a.num_samples), "--max-seq-len", "2048", "--output-dir", prep], f"{a.out}/k{n}_01.log")
+        rows = [json.loads(l)["input_ids"] for l in open(f"{prep}/tokenized_data.jsonl")]
+        r["tokens"] = tokens = sum(map(len, rows))
+        ids = ["--layer-ids", "1,2,3"] if n < 7 else []  # the default [2, n//2, n-3] collides below 7 layers
+        per_batch, batches = [], make_batches(range(len(rows)), [len(x) for x in rows], a.batch_size)
+        # a first full pass untimed: every batch shape's kernels are tuned and cached on disk, as they are for the
+        # stage 02 runs that follow it (a cold bare pass measured 0.6x of a warm one here)
+        bare_forward(model, rows, batches)
+        bare = tokens / bare_forward(model, rows, batches, per_batch)
+        r["bare_forward_tok_s"], r["bare_steady_tok_s"] = round(bare, 1), round(bare_steady(per_batch), 1)
+        for name, extra in (("bf16", []), ("bf16_8_writers", ["--writer-threads", "8"]), ("fp8", ["--storage-dtype", "fp8"])):
+            out = f"{w}/hs{n}_{name}"
+            wait(stage02(model, prep, out, *bs, *ids, *extra), f"stage 02 {name}")
+            m = json.load(open(f"{out}/manifest.json"))
+            r[f"stage02_{name}_tok_s"] = m["throughput"]["tokens_per_s"]
+            r[f"ratio_{name}"] = round(m["throughput"]["tokens_per_s"] / bare, 3)
+            r[f"steady_ratio_{name}"] = round(steady_rate(out, rows) / r["bare_steady_tok_s"], 3)
+            r[f"disk_gb_{name}"] = round(m["counts"]["bytes"] / 1e9, 2)
+            if name != "bf16" or n != min(int(x) for x in a.depths.split(",")):
+                shutil.rmtree(out)
+            os.sync()
+        res[f"depth_{n}"] = r
+        print(f"depth {n}: {json.dumps(r)}", flush=True)
+        if n == min(int(x) for x in a.depths.split(",")):
+            res["train_defaults"] = train(a, py, w, model, prep, f"{w}/hs{n}_bf16")
+            print(f"train: {json.dumps(res['train_defaults'])}", flush=True)
+            shutil.rmtree(f"{w}/hs{n}_bf16")
+            shutil.rmtree(model)
+            os.sync()
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def train(a, py, w, model, prep, hs):
+    """Stages 03 and 04 with default settings; how long stage 04 takes to exit after its last line."""
+    run([py, "03_build_vocab_mapping.py", "--prepared-data", prep, "--draft-vocab-size", "8192", "--output-dir",
+         f"{w}/vocab"], f"{a.out}/k_03.log")
+    t0 = time.time()
+    proc = subprocess.Popen([py, "04_train.py", "--model-path", model, "--prepared-data", prep, "--hidden-states", hs,
+                             "--vocab-mapping", f"{w}/vocab", "--output-dir", f"{w}/ckpt", "--epochs", "1",
+                             "--max-steps", str(a.train_steps), "--log-every", "5"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    last_line_at, lines = None, []
+    for line in proc.stdout:
+        lines.append(line)
+        last_line_at = time.time()
+    proc.wait()
+    open(f"{a.out}/k_04.log", "w").write("".join(lines))
+    tr = {"returncode": proc.returncode, "wall_s": round(time.time() - t0, 1),
+          "exit_after_last_line_s": round(time.time() - last_line_at, 1) if last_line_at else None,
+          "loss_choice": [l.strip() for l in lines if "loss implementation" in l][:1],
+          "step_lines": [l.strip() for l in lines if " tok/s" in l and "step " in l][-2:]}
+    return tr
+
+
+if __name__ == "__main__":
+    main()
