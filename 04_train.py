@@ -56,6 +56,8 @@ def main():
     from eagle3pipe import training
     fp = verifier.fingerprint(args.model_path)
     verifier.check_remote_code(args.model_path, args.trust_remote_code)
+    tc = verifier.text_config(verifier.model_files(args.model_path)[0])
+    verifier.check_draft_sources(args.model_path, tied=tc.get("tie_word_embeddings") is not False)
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data),
               ("--hidden-states", args.hidden_states), ("--vocab-mapping", args.vocab_mapping)]
     rank = int(os.environ.get("RANK", "0"))
@@ -96,8 +98,10 @@ def main():
             speculators_config=json.loads(json.dumps(cfg.flatten(), default=str)), **result))
         last = os.path.join(out, "last")
         log.info(f"checkpoint: {last} -> {os.path.realpath(last)}")
-        from eagle3pipe.engine import serve_command
-        print(f"serve it: {serve_command(args.model_path, last, args.ttt_steps)}")
+        from eagle3pipe import engine
+        blocker = engine.eagle3_blocker(verifier.text_config(verifier.model_files(args.model_path)[0]), not on_cpu)
+        where = f" (on a GPU machine: {blocker})" if blocker else ""
+        print(f"serve it{where}: {engine.serve_command(args.model_path, last, args.ttt_steps, bool(blocker))}")
     return 0
 
 

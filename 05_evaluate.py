@@ -45,6 +45,11 @@ def main():
     fp = verifier.fingerprint(args.model_path)
     verifier.check_remote_code(args.model_path, args.trust_remote_code)
     evaluation.check_draft(args.draft, fp)
+    gpus = engine.visible_gpus()
+    blocker = engine.eagle3_blocker(verifier.text_config(verifier.model_files(args.model_path)[0]), bool(gpus))
+    if blocker:  # refused in seconds, not after the verifier's load
+        raise cli.UsageError(f"--model-path {args.model_path}: cannot evaluate an eagle3 draft here: {blocker}; run "
+                             f"stage 05 on a GPU machine")
     conversations.check_dataset(args.prompts, "--prompts")
     inputs = [("--model-path", args.model_path), ("--draft", args.draft), ("--prompts", args.prompts)]
     outdir.check("--output-dir", args.output_dir, "evaluate", OWNED, inputs)
@@ -63,7 +68,6 @@ def main():
     ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
            for p in prompts]
     max_len = max(len(i) for i in ids) + args.max_new_tokens + args.num_speculative_tokens + 8
-    gpus = engine.visible_gpus()
     sizes = sorted(set([1] + args.batch_sizes))
     common = dict(max_model_len=max_len, on_gpu=bool(gpus), tp=args.tp_size, trust_remote_code=args.trust_remote_code)
     base = evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, **common)

@@ -121,7 +121,7 @@ def main():
             os.sync()
         res[f"depth_{n}"] = r
         print(f"depth {n}: {json.dumps(r)}", flush=True)
-        if n == min(int(x) for x in a.depths.split(",")):
+        if n == min(int(x) for x in a.depths.split(",")) and a.train_steps:
             res["train_defaults"] = train(a, py, w, model, prep, f"{w}/hs{n}_bf16")
             print(f"train: {json.dumps(res['train_defaults'])}", flush=True)
             shutil.rmtree(f"{w}/hs{n}_bf16")

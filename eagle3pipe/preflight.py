@@ -63,8 +63,16 @@ def available_ram():
 
 
 def weights_bytes(model_path):
+    """The checkpoint's bytes: its index's total_size (what a quantized checkpoint really holds: INT4 experts count
+    half a byte per weight), else the size of its weight files."""
     if not os.path.isdir(model_path):
         return None  # a hub id: unknown until downloaded
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        from .verifier import read_json
+        total = (read_json(index).get("metadata") or {}).get("total_size")
+        if isinstance(total, int) and total > 0:
+            return total
     files = glob.glob(os.path.join(model_path, "*.safetensors")) or glob.glob(os.path.join(model_path, "*.bin"))
     return sum(os.path.getsize(f) for f in files)
 

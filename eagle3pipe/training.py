@@ -19,7 +19,7 @@ from .verifier import same_verifier
 
 # speculators' checkpoint names (its checkpointer and trainer) and ours, besides the epoch folders
 FIXED_NAMES = [MANIFEST, RUN_FILE, "logs", ".bridge", "last", ".last.tmp", "checkpoint_best", "interrupted", "run.yaml",
-               "train_command.txt"]
+               "train_command.txt", "speculators.patch"]
 
 
 def owned(epochs):

