@@ -8,6 +8,8 @@ import pytest
 from conftest import FIXTURES
 from eagle3pipe import masks
 
+pytestmark = pytest.mark.unit
+
 CONV = [
     {"role": "user", "content": "Hi there, who are you?"},
     {"role": "assistant", "content": "I am a helpful assistant."},

@@ -5,6 +5,8 @@ import pytest
 from eagle3pipe.cli import UsageError
 from eagle3pipe.vocab import build_mapping
 
+pytestmark = pytest.mark.unit
+
 
 def test_topk_ties_and_offsets():
     freq = np.array([0, 5, 3, 5, 0, 1, 3, 0], dtype=np.int64)
