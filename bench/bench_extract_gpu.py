@@ -24,19 +24,29 @@ LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers"
 
 
 def make_verifier(assets, dst):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     if os.path.exists(os.path.join(dst, "config.json")):
         return
     cfg = AutoConfig.from_pretrained(assets)
     for k, v in LLAMA_8B.items():
         setattr(cfg, k, v)
+    save_random(cfg, assets, dst)
+
+
+def save_random(cfg, assets, dst, **config_extra):
+    """Random bf16 weights of `cfg`, drawn on the GPU, saved to `dst` with the tokenizer files of `assets`."""
+    import json
+    import torch
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(dst)
     del model
     torch.cuda.empty_cache()
+    if config_extra:  # fields vLLM reads that transformers' config class does not keep
+        c = json.load(open(os.path.join(dst, "config.json")))
+        json.dump({**c, **config_extra}, open(os.path.join(dst, "config.json"), "w"), indent=2)
     for n in os.listdir(assets):
         if n.startswith(("tokenizer", "chat_template", "special_tokens", "generation")):
             shutil.copy(os.path.join(assets, n), dst)

@@ -18,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_extract_gpu import REPO, bare_forward, stage02, wait  # noqa: E402
+from bench_extract_gpu import REPO, bare_forward, save_random, stage02, wait  # noqa: E402
 
 KIMI = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=64,
             num_key_value_heads=64, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
@@ -27,25 +27,13 @@ KIMI = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=204
 
 
 def make_verifier(assets, dst, layers, experts, topk):
-    import torch
-    from transformers import DeepseekV3Config, AutoModelForCausalLM
+    from transformers import DeepseekV3Config
     if os.path.exists(os.path.join(dst, "config.json")):
         return
     vocab = json.load(open(os.path.join(assets, "config.json")))["vocab_size"]
     cfg = DeepseekV3Config(vocab_size=vocab, num_hidden_layers=layers, n_routed_experts=experts,
                            num_experts_per_tok=topk, **KIMI)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(dst)
-    del model
-    torch.cuda.empty_cache()
-    c = json.load(open(os.path.join(dst, "config.json")))
-    c.update(topk_method="noaux_tc", scoring_func="sigmoid")
-    json.dump(c, open(os.path.join(dst, "config.json"), "w"), indent=2)
-    for n in os.listdir(assets):
-        if n.startswith(("tokenizer", "chat_template", "special_tokens", "generation")):
-            shutil.copy(os.path.join(assets, n), dst)
+    save_random(cfg, assets, dst, topk_method="noaux_tc", scoring_func="sigmoid")
     os.sync()  # the weights' writeback must not compete with the first run's files
 
 

@@ -2,10 +2,12 @@
 without importing torch or vLLM. It returns the plan `--dry-run` prints.
 
 Memory model (an estimate, deliberately on the safe side):
-  weights       = bytes of the checkpoint's *.safetensors / *.bin files (split over --tp-size GPUs)
-  per token     = KV cache (2 * layers * kv_heads * head_dim * 2 bytes)
+  weights       = the checkpoint index's total_size, else the bytes of its *.safetensors / *.bin files (split over
+                  --tp-size GPUs; an INT4 checkpoint counts what it really holds)
+  per token     = KV cache (2 * layers * kv_heads * head_dim * 2 bytes; MLA: layers * (latent + rope) * 2 bytes)
                 + captured states ((L+1) * hidden * 2 bytes)
-                + working activations (~ (4 * hidden + 2 * intermediate) * 4 bytes, one layer at a time)
+                + working activations (~ (4 * hidden + 2 * intermediate) * 4 bytes, one layer at a time; for a
+                  mixture of experts, intermediate = the top-k routed plus shared experts' widths if larger)
   worst batch   = --batch-size * --max-seq-len tokens (or --max-tokens-per-batch when given)
   available     = GPU: memory per GPU * --gpu-memory-utilization * tp - weights; CPU: MemAvailable - weights
 """
@@ -87,6 +89,9 @@ def per_token_bytes(cfg, n_states):
     else:
         kv = 2 * layers * kv_heads * head_dim * 2
     inter = cfg.get("intermediate_size") or 4 * hidden
+    # MoE (DeepSeek-V3, Kimi): each token's top-k routed experts, plus the shared ones, are live at once
+    experts = (cfg.get("num_experts_per_tok") or 0) + (cfg.get("n_shared_experts") or 0)
+    inter = max(inter, experts * (cfg.get("moe_intermediate_size") or 0))
     act = (4 * hidden + 2 * inter) * 4
     return kv + n_states * hidden * 2 + act
 

@@ -228,3 +228,20 @@ def test_quantized_embedding_or_head_is_refused(tmp_path):
         verifier.check_draft_sources(str(tmp_path), tied=False)
     shard("model.safetensors", {"language_model.model.embed_tokens.weight": "BF16", "language_model.lm_head.weight": "F16"})
     verifier.check_draft_sources(str(tmp_path), tied=False)  # a wrapper's prefixed names resolve by suffix
+
+
+def test_memory_model_for_mla_and_moe_and_int4_weights(tmp_path):
+    import json
+    from eagle3pipe.preflight import per_token_bytes, weights_bytes
+    kimi = {"num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 64, "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+            "num_experts_per_tok": 8, "n_shared_experts": 1}
+    kv, states = 61 * (512 + 64) * 2, 4 * 7168 * 2  # the MLA latent per layer, not heads x head_dim x 2
+    assert per_token_bytes(kimi, 4) == kv + states + (4 * 7168 + 2 * 18432) * 4
+    kimi["num_experts_per_tok"] = 12  # routed + shared widths beyond the dense MLP's count instead
+    assert per_token_bytes(kimi, 4) == kv + states + (4 * 7168 + 2 * 13 * 2048) * 4
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 100)
+    assert weights_bytes(str(tmp_path)) == 100
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 594_000_000_000},
+                                                                       "weight_map": {}}))
+    assert weights_bytes(str(tmp_path)) == 594_000_000_000  # the index: what an INT4 checkpoint really holds
