@@ -70,9 +70,8 @@ def main():
 
     from eagle3pipe import backends, extraction
     from eagle3pipe.progress import Progress
-    n_states, hidden = plan.n_states, plan.hidden_size
     mine = [i for i in range(len(rows)) if not args.shard or i % args.shard[1] == args.shard[0]]
-    done = extraction.scan_existing(out, rows, n_states, hidden, mine)
+    done = extraction.scan_existing(out, rows, plan.n_states, plan.hidden_size, mine)
     todo = [i for i in mine if i not in done]
     shard = f" (shard {args.shard[0]}/{args.shard[1]}: rows with index % {args.shard[1]} == {args.shard[0]})" if args.shard else ""
     log.info(f"{len(done)} of {len(mine)} samples already extracted and valid; {len(todo)} to go{shard}")
@@ -90,11 +89,7 @@ def main():
         log.info(f"verifier loaded in {time.time() - t_load:.0f} s ({args.backend} backend)")
         bar = Progress(len(mine), "extract", "samples", initial=len(done),
                        total_tokens=sum(len(rows[i]) for i in todo))
-        # a GPU needs several writer threads to keep up; on CPU one, at low priority, next to the vLLM engine
-        threads = args.writer_threads or (4 if plan.on_gpu else 1)
-        failed, tokens, secs, stopped = extraction.run(backend, rows, todo, out, args, n_states, hidden, bar,
-                                                       writer_threads=threads,
-                                                       background_writer=args.backend == "vllm" and not plan.on_gpu)
+        failed, tokens, secs, stopped = extraction.run(backend, rows, todo, out, args, plan, bar)
         bar.close()
         if args.backend == "vllm":
             shutil.rmtree(staging, ignore_errors=True)

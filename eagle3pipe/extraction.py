@@ -196,9 +196,14 @@ class Pending:
         self.tensors, self.event, self.bad = tensors, event, bad
 
 
-def run(backend, rows, todo, out_dir, args, n_states, hidden, progress, writer_threads=1, background_writer=False):
-    """Extract every row in `todo`. Returns (failed {row: reason}, tokens done, seconds, the signal that stopped
-    it or None). SIGTERM/SIGINT finish the batch in flight and its files, then return; a full disk is one line."""
+def run(backend, rows, todo, out_dir, args, plan, progress):
+    """Extract every row in `todo` (`args`: settings.Extract; `plan`: preflight.Plan). Returns (failed {row: reason},
+    tokens done, seconds, the signal that stopped it or None). SIGTERM/SIGINT finish the batch in flight and its
+    files, then return; a full disk is one line."""
+    n_states, hidden = plan.n_states, plan.hidden_size
+    # a GPU needs several writer threads to keep up; on CPU one, at low priority, next to the vLLM engine's threads
+    writer_threads = args.writer_threads or (4 if plan.on_gpu else 1)
+    background_writer = args.backend == "vllm" and not plan.on_gpu
     failed, done_tokens, written = {}, [0], set()
     oom_above, nan_rows = faults.oom_above(), faults.nan_rows()
     lock = threading.Lock()
@@ -213,7 +218,7 @@ def run(backend, rows, todo, out_dir, args, n_states, hidden, progress, writer_t
                 written.add(i)
             progress.update(1, tokens=len(rows[i]))
 
-    writer = Writer(out_dir, rows, n_states, hidden, on_done, storage=getattr(args, "storage_dtype", "bf16"),
+    writer = Writer(out_dir, rows, n_states, hidden, on_done, storage=args.storage_dtype,
                     threads=writer_threads, depth=max(8, 2 * args.batch_size), nan_rows=nan_rows,
                     background=background_writer)
 
