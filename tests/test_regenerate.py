@@ -60,7 +60,7 @@ def test_regenerate_resumes_after_a_kill(model_path, tokenizer, tmp_path):
         assert all(a.strip()[:8] in trained for a in ours if a.strip())
 
 
-@pytest.mark.e2e
+@pytest.mark.slow  # a regression run over 40 real conversations; kill-and-resume above keeps --regenerate in CI
 def test_regenerate_samples_on_cpu_over_real_sharegpt(model_path, tmp_path):
     """Sampling (temperature > 0) on 40 real ShareGPT conversations: their long prompts are prefilled in chunks,
     and per-request seeds made vLLM's CPU engine die ("CPU Generator does not use offset"). Split ShareGPT parts
