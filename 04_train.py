@@ -17,7 +17,7 @@ Trainer run on CPU (eager loss, sdpa attention).
 import json
 import os
 
-from eagle3pipe import cli, files, outdir, verifier
+from eagle3pipe import cli, files, online, outdir, verifier
 
 
 def parse_args(argv=None):
@@ -47,6 +47,19 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="delete previous checkpoints in --output-dir first")
+    o = p.add_argument_group("online training (no stage 02 folder; see the README's 'Offline, online or cached')")
+    o.add_argument("--online", action="store_true", help="generate hidden states on demand with an extraction engine")
+    o.add_argument("--backend", choices=["vllm", "hf"], default="vllm", help="the engine: vLLM's server or transformers")
+    o.add_argument("--layer-ids", type=cli.int_list, default=None,
+                   help="auxiliary layer ids as stage 02 takes them (default [2, n//2, n-3]); id n is always added")
+    o.add_argument("--cache-gb", type=float, default=0.0, help="keep generated samples up to N GB for later epochs")
+    o.add_argument("--engine-address", default=None, help="host:port of an engine already running (not started here)")
+    o.add_argument("--engine-gpus", type=cli.int_list, default=None,
+                   help="GPUs for the engine, tensor parallel over them (default: one GPU is shared, else the first half)")
+    o.add_argument("--engine-port", type=int, default=None, help="port for the engine (default: a free one)")
+    o.add_argument("--engine-memory", type=float, default=None,
+                   help="fraction of each engine GPU vLLM may use (default 0.85, 0.45 on a GPU shared with training)")
+    o.add_argument("--engine-timeout", type=int, default=3600, help="seconds the engine may take to load")
     return cli.parse_args(p, "train", argv, required=["model_path"])
 
 
@@ -59,32 +72,49 @@ def main():
     tc = verifier.text_config(verifier.model_files(args.model_path)[0])
     verifier.check_draft_sources(args.model_path, tied=tc.get("tie_word_embeddings") is not False)
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data),
-              ("--hidden-states", args.hidden_states), ("--vocab-mapping", args.vocab_mapping)]
+              ("--vocab-mapping", args.vocab_mapping)] + ([] if args.online else [("--hidden-states", args.hidden_states)])
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         outdir.check("--output-dir", args.output_dir, "train", training.owned(args.epochs), inputs)
+    layer_ids = verifier.resolve_layer_ids(args.layer_ids, fp["num_hidden_layers"]) if args.online else None
     # rank 0 reads every file against its checksum; the other ranks wait for its bridge
-    prep, ext, voc, rows, failed = training.check_inputs(args, fp, verify_data=rank == 0)
-    if max(len(r[0]) for r in rows) > args.total_seq_len:
-        raise cli.UsageError(f"--total-seq-len {args.total_seq_len}: shorter than the longest row "
-                             f"({max(len(r[0]) for r in rows)} tokens); raise it")
+    prep, ext, voc, rows, failed = training.check_inputs(args, fp, verify_data=rank == 0, online_layer_ids=layer_ids)
+    longest = max(len(r[0]) for r in rows)
+    if longest > args.total_seq_len:
+        raise cli.UsageError(f"--total-seq-len {args.total_seq_len}: shorter than the longest row ({longest} tokens); "
+                             f"raise it")
+    states = online.plan(args, fp, tc, longest) if args.online else None  # engine, GPUs, port: before anything loads
+    if states and states.trainer_cvd:
+        os.environ["CUDA_VISIBLE_DEVICES"] = states.trainer_cvd  # training keeps off the engine's GPUs
     identity = {"prepared": prep["content_id"], "extract": ext["content_id"], "vocab": voc["content_id"],
                 "num_layers": args.num_layers, "ttt_steps": args.ttt_steps}
     out = training.prepare_output(args, identity, inputs, rank)  # rank 0 holds the folder's lock from here on
 
     import torch
     on_cpu = args.device == "cpu" or (args.device == "auto" and torch.accelerator.current_accelerator() is None)
-    bridge = os.path.join(out, ".bridge")
+    bridge, server = os.path.join(out, ".bridge"), None
     if rank == 0:
-        training.build_bridge(rows, bridge)
-    training.wait_for_bridge(bridge)
+        if states:
+            log.info(online.describe(states, args.backend))
+            server = online.launch(args, states, out)
+            server.watch(lambda why: online.stop_run(f"the extraction engine {why}", out))
+        training.build_bridge(rows, bridge, server and server.url)
+    url = training.wait_for_bridge(bridge, timeout=args.engine_timeout + 600)
     aux = ext["layer_ids"][:-1]  # the draft's inputs; the last id (n) is the verifier's last hidden state
+    if states:
+        online.install(out, states, url)
     cfg = training.train_config(args, bridge, aux, on_cpu, voc["counts"]["draft_vocab_size"],
-                                storage=ext.get("storage_dtype", "bf16"))
+                                storage=ext.get("storage_dtype", "bf16"), engine_url=url)
     log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(rows) - len(failed)} rows "
              f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
              f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}")
-    result = training.run(cfg, args, on_cpu)
+    try:
+        result = training.run(cfg, args, on_cpu)
+    finally:
+        if server:
+            server.stop()
+    if states:
+        result["online"] = online.summary(out, states)
     if os.path.basename(result["checkpoint_last"] or "") == "interrupted":  # SIGTERM/Ctrl-C: speculators saved it
         log.warning(f"stopped by a signal at step {result['steps']}; checkpoint {out}/interrupted; rerun the same "
                     f"command to resume")
@@ -93,7 +123,7 @@ def main():
         files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
             "train", args, identity=identity, verifier=fp, layer_ids=ext["layer_ids"], aux_layer_ids=aux,
             layer_id_convention=verifier.LAYER_ID_CONVENTION, draft_vocab_size=voc["counts"]["draft_vocab_size"],
-            inputs={"prepared_data": os.path.abspath(args.prepared_data), "hidden_states":
+            inputs={"prepared_data": os.path.abspath(args.prepared_data), "hidden_states": "online" if args.online else
                     os.path.abspath(args.hidden_states), "vocab_mapping": os.path.abspath(args.vocab_mapping)},
             speculators_config=json.loads(json.dumps(cfg.flatten(), default=str)), **result))
         last = os.path.join(out, "last")

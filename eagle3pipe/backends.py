@@ -134,13 +134,7 @@ class VLLMBackend:
             import torch
             torch.set_num_threads(1)  # this process only validates and writes files: leave the cores to the engine
         from vllm import SamplingParams
-        from .engine import make_llm
-        connector = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                     "kv_connector_extra_config": {"shared_storage_path": staging}}
-        if not on_gpu:  # the stock connector's asynchronous copy needs CUDA streams and pinned memory
-            connector = {"kv_connector": "CPUHiddenStatesConnector", "kv_role": "kv_producer",
-                         "kv_connector_module_path": "eagle3pipe.cpu_connector",
-                         "kv_connector_extra_config": {"shared_storage_path": staging}}
+        from .engine import connector_config, make_llm
         budget = s.max_tokens_per_batch or s.batch_size * s.max_seq_len
         self.llm = make_llm(
             s.model_path, tp=s.tp_size, on_gpu=on_gpu, trust_remote_code=s.trust_remote_code,
@@ -149,7 +143,7 @@ class VLLMBackend:
             gpu_memory_utilization=s.gpu_memory_utilization, enable_prefix_caching=False,
             speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
-            kv_transfer_config=connector)
+            kv_transfer_config=connector_config(staging, on_gpu))
         self.params = SamplingParams(max_tokens=1, temperature=0.0)
 
     def forward(self, batch):

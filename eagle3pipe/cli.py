@@ -6,7 +6,8 @@
   (settings.py). A config file is one flat mapping shared by every stage, plus optional per-stage sections
   (`prepare:`, `extract:`, `vocab:`, `train:`, `evaluate:`) that override it. Unknown keys, keys a section's stage
   does not take, keys given twice and wrong types are refused.
-- `UsageError` + `run`: any validation failure anywhere becomes one line on stderr and exit code 2.
+- `UsageError` + `run`: any validation failure anywhere becomes one line on stderr and exit code 2; a `RunError`
+  (a failure at run time, e.g. an extraction engine that died) one line and exit code 1.
 Nothing here imports torch.
 """
 import argparse
@@ -20,15 +21,21 @@ class UsageError(Exception):
     """A problem the operator fixes by changing a flag, a file or a record. Printed as one line, exit 2."""
 
 
+class RunError(Exception):
+    """A failure at run time that one line explains (an engine that died, say). Printed as one line, exit 1."""
+
+
 def run(main, exit_now=False):
     """Run a script's main(); a UsageError becomes `error: ...` on stderr and exit code 2. `exit_now`: once main() has
     returned (its files written, its lock no longer needed), leave without waiting for the interpreter's shutdown,
     which in stage 04 waits minutes on data-loader and compile worker processes and their semaphores."""
     try:
         code = main()
-    except UsageError as e:
+    except (UsageError, RunError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        code = 2 if isinstance(e, UsageError) else 1
+        if not exit_now:
+            sys.exit(code)
     if exit_now:
         logging.shutdown()
         sys.stdout.flush()

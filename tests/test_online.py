@@ -1,0 +1,241 @@
+"""Stage 04 --online and --cache-gb: training with hidden states generated on demand by an extraction engine.
+
+Unit tier: the flags and the engine preflight refuse in seconds with one line; the cache keeps to its budget, counts
+itself again after a kill and regenerates a corrupt file. End to end on the embedded default: the vLLM engine, a
+SIGKILL mid-run and the same command resuming, a poisoned sample skipped and counted, no file left beyond the
+cache budget, and the engine and loader workers gone with the killed run; the HF engine dying mid-run ends the run
+with one line."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, run_script
+from test_cli_prepare_vocab import assert_refused
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, model_path):
+    """Stages 01 and 03 only (online training needs no stage 02): 24 ShareGPT rows of at most 512 tokens."""
+    root = tmp_path_factory.mktemp("online")
+    d = {"prepared": root / "prepared", "vocab": root / "vocab"}
+    for argv in (["01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "24", "--max-seq-len", "512",
+                  "--output-dir", str(d["prepared"])],
+                 ["03_build_vocab_mapping.py", "--prepared-data", str(d["prepared"]), "--draft-vocab-size", "2048",
+                  "--output-dir", str(d["vocab"])]):
+        p, _ = run_script(*argv)
+        assert p.returncode == 0, p.stderr
+    return d
+
+
+def online_args(model_path, d, out, *extra):
+    return ["04_train.py", "--online", "--model-path", model_path, "--prepared-data", str(d["prepared"]),
+            "--vocab-mapping", str(d["vocab"]), "--output-dir", str(out), "--total-seq-len", "1024", "--log-every",
+            "1", *extra]
+
+
+def closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("extra,needles", [
+    (["--cache-gb", "1"], ["--cache-gb", "only with --online"]),
+    (["--online", "--engine-address", "nohost"], ["--engine-address", "host:port"]),
+    (["--online", "--engine-address", "127.0.0.1:{closed}"], ["no engine answers", "start it first"]),
+    (["--online", "--engine-address", "127.0.0.1:8000", "--engine-gpus", "0"], ["--engine-gpus", "already running"]),
+    (["--online", "--engine-gpus", "0"], ["--engine-gpus 0", "no GPU visible"]),
+    (["--online", "--engine-port", "{busy}"], ["--engine-port", "in use"]),
+    (["--online", "--layer-ids", "2,40"], ["--layer-ids", "out of range"]),
+    (["--online", "--cache-gb", "-1"], ["--cache-gb", "at least 0"]),
+])
+def test_online_preflight_refuses_in_seconds(small, model_path, tmp_path, extra, needles):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    extra = [x.format(closed=closed_port(), busy=busy.getsockname()[1]) for x in extra]
+    argv = online_args(model_path, small, tmp_path / "ck", *extra)
+    if "--online" not in extra:
+        argv.remove("--online")
+    try:
+        assert_refused(*run_script(*argv, env={"CUDA_VISIBLE_DEVICES": ""}), *needles)
+    finally:
+        busy.close()
+    assert not (tmp_path / "ck").exists()
+
+
+def _sample(folder, i, ids, n_states=4, hidden=8):
+    import torch
+    from eagle3pipe.hidden_states import hs_path, save
+    path = os.path.join(folder, f"gen-{i}.safetensors")
+    save(path, {"hidden_states": torch.randn(len(ids), n_states, hidden).to(torch.bfloat16),
+                "token_ids": torch.as_tensor(ids, dtype=torch.int64)})
+    return path, hs_path
+
+
+@pytest.mark.unit
+def test_cache_keeps_to_its_budget_recounts_and_regenerates_corrupt_files(tmp_path):
+    from eagle3pipe import online
+    cache, spool = tmp_path / "cache", tmp_path / "spool"
+    spool.mkdir()
+    online.prepare_cache(str(cache), 10_000)
+    t = online.CacheTransfer(str(cache), 10_000, str(tmp_path / "skipped.jsonl"), 4, 4, 8)
+    t.local = type("L", (), {})()
+    ids = list(range(100))  # 100 tokens x 4 states x 8 x 2 bytes = 6.4 KB of states per file: one fits, two do not
+    kept = []
+    for i in range(3):
+        path, hs_path = _sample(str(spool), i, ids)
+        t.local.index = i
+        t.delete(path)  # speculators' call once the sample is read: keep it if it fits, else remove it
+        assert not os.path.exists(path)
+        kept.append(os.path.exists(hs_path(str(cache), i)))
+    assert kept == [True, False, False]
+    used = int((cache / ".used").read_text())
+    assert used == os.path.getsize(hs_path(str(cache), 0)) <= 10_000
+    got = t.from_cache(0, ids)
+    assert got["token_ids"].tolist() == ids and tuple(got["hidden_states"].shape) == (100, 4, 8)
+    assert t.from_cache(0, ids[::-1]) is None and not os.path.exists(hs_path(str(cache), 0))  # wrong tokens: dropped
+    assert int((cache / ".used").read_text()) == 0
+
+    # a killed run's leftovers: a file the count missed, a dead writer's temporary file, a smaller budget next time
+    path, _ = _sample(str(spool), 7, ids)
+    os.replace(path, hs_path(str(cache), 7))
+    path, _ = _sample(str(spool), 8, ids)
+    os.replace(path, hs_path(str(cache), 8))
+    (cache / ".hs_9.safetensors.tmp-999999").write_bytes(b"x")
+    files, used = online.prepare_cache(str(cache), 10_000)
+    assert files == 1 and used <= 10_000 and sorted(os.listdir(cache)) == [".used", ".used.lock", "hs_7.safetensors"]
+    data = bytearray((cache / "hs_7.safetensors").read_bytes())
+    data[-3] ^= 0x10
+    (cache / "hs_7.safetensors").write_bytes(bytes(data))
+    assert t.from_cache(7, ids) is None and not (cache / "hs_7.safetensors").exists()  # CRC: generated again
+    t.skipped(np_int(5), "non-finite")
+    assert json.loads((tmp_path / "skipped.jsonl").read_text())["row"] == 5
+
+
+def np_int(x):
+    import numpy as np
+    return np.int64(x)
+
+
+@pytest.mark.unit
+def test_gpu_split_between_engine_and_training():
+    from eagle3pipe.cli import UsageError
+    from eagle3pipe.online import split_gpus
+    assert split_gpus(None, 0) == ([], [])
+    assert split_gpus(None, 1) == ([0], [0])  # one GPU: shared
+    assert split_gpus(None, 2) == ([0], [1])
+    assert split_gpus(None, 8) == ([0, 1, 2, 3], [4, 5, 6, 7])
+    assert split_gpus([0, 1, 2, 3, 4, 5, 6, 7], 8) == (list(range(8)), list(range(8)))  # all: training shares them
+    with pytest.raises(UsageError, match="2 GPU"):
+        split_gpus([2], 2)
+
+
+def _pids_alive(pids):
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] != "Z":
+                    alive.append(pid)
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+    return alive
+
+
+def _children(pid):
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.split("\n")
+    pairs = [tuple(map(int, line.split())) for line in out if line.strip()]
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in pairs if pp == p]
+        found += kids
+        todo += kids
+    return found
+
+
+@pytest.mark.e2e
+def test_online_vllm_kill_resume_cache_and_skipped_sample(small, model_path, tmp_path):
+    """The default engine (vLLM) on CPU, two epochs with a cache smaller than the data: SIGKILL after the first
+    mid-epoch checkpoint takes the engine and the loader workers with it; the same command resumes from that
+    checkpoint; a sample whose states come back non-finite is skipped and counted; the second epoch reads the cached
+    samples; nothing is left beyond the budget."""
+    out = tmp_path / "draft"
+    budget_gb = 0.02  # the 24 rows hold about 54 MB of states: a third fits
+    argv = online_args(model_path, small, out, "--epochs", "2", "--checkpoint-freq", "0.5", "--cache-gb",
+                       str(budget_gb))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "EAGLE3_INJECT_NAN_ROWS": "3"}
+    err = open(tmp_path / "first.err", "w")
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    deadline = time.time() + 600
+    while time.time() < deadline and not (out / "last").exists():
+        time.sleep(0.2)
+    assert (out / "last").exists(), (tmp_path / "first.err").read_text()[-3000:]
+    family = _children(proc.pid)
+    assert family, "no engine or loader processes seen"
+    proc.kill()
+    proc.wait(60)
+    err.close()
+    first = (tmp_path / "first.err").read_text()
+    stopped_at = max(int(s) for s in re.findall(r"step (\d+)/", first))
+    deadline = time.time() + 30
+    while _pids_alive(family) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _pids_alive(family), "the engine or a loader worker outlived the killed run"
+
+    p = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "Resuming" in p.stderr
+    steps = [int(s) for s in re.findall(r"step (\d+)/", p.stderr)]
+    assert steps and 1 < steps[0] <= stopped_at + 1
+    man = json.load(open(out / "manifest.json"))
+    assert man["online"]["mode"] == "cached" and man["online"]["skipped_samples"] == 1
+    assert man["inputs"]["hidden_states"] == "online" and man["layer_ids"] == [2, 15, 27, 30]
+    assert 0 < man["online"]["cache_bytes"] <= budget_gb * 1e9
+    assert json.loads((out / "logs" / "skipped.jsonl").read_text().splitlines()[0])["row"] == 3
+    hs = [os.path.join(d, n) for d, _, names in os.walk(out) for n in names if n.endswith(".safetensors")
+          and not n.startswith("model")]
+    assert all("hidden_states_cache" in f for f in hs) and sum(os.path.getsize(f) for f in hs) <= budget_gb * 1e9
+    assert os.listdir(out / ".online") == []
+    assert os.path.isfile(out / "last" / "config.json")
+
+
+@pytest.mark.e2e
+def test_online_hf_engine_death_stops_the_run_with_one_line(small, model_path, tmp_path):
+    out = tmp_path / "draft"
+    argv = online_args(model_path, small, out, "--backend", "hf", "--epochs", "3")
+    err = open(tmp_path / "err", "w")
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline, pid = time.time() + 300, None
+    while time.time() < deadline and pid is None:
+        m = re.search(r"extraction engine \(hf, pid (\d+)\) ready", (tmp_path / "err").read_text())
+        pid = int(m.group(1)) if m else None
+        time.sleep(0.5)
+    assert pid, (tmp_path / "err").read_text()[-3000:]
+    while time.time() < deadline and "step 1/" not in (tmp_path / "err").read_text():
+        time.sleep(0.5)
+    family = [c for c in _children(proc.pid) if c != pid]  # the loader workers
+    os.kill(pid, signal.SIGKILL)
+    rc = proc.wait(120)
+    err.close()
+    text = (tmp_path / "err").read_text()
+    assert rc == 1, text[-3000:]
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, text[-3000:]
+    assert errors[0].startswith("error: the extraction engine exited with code -9") and "rerun the same command" in \
+        errors[0]
+    deadline = time.time() + 30
+    while _pids_alive(family) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _pids_alive(family)
