@@ -96,6 +96,7 @@ def main():
     if rank == 0:
         if states:
             log.info(online.describe(states, args.backend))
+            online.prepare(out, states)
             server = online.launch(args, states, out)
             server.watch(lambda why: online.stop_run(f"the extraction engine {why}", out))
         training.build_bridge(rows, bridge, server and server.url)

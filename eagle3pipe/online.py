@@ -186,7 +186,7 @@ def describe(p, backend):
 def launch(s, p, out):
     """Start the engine stage 04 owns (or point at --engine-address) and wait until it answers."""
     from .engine import cpu_vllm_env
-    spool = reset_spool(out)
+    spool = os.path.join(out, SPOOL)
     if p.address:
         return Engine(f"http://{p.address}/v1")
     env = dict(os.environ)
@@ -536,11 +536,6 @@ def install(out, p, url):
     from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
     from .faults import nan_rows
     cache_dir, logs = os.path.join(out, CACHE), os.path.join(out, "logs")
-    os.makedirs(logs, exist_ok=True)
-    if int(os.environ.get("RANK", "0")) == 0:
-        files, used = prepare_cache(cache_dir, p.cache_bytes)
-        if p.cache_bytes:
-            log.info(f"sample cache {cache_dir}: {files} files, {used / 1e9:.2f} of {p.cache_bytes / 1e9:.2f} GB")
     transfer = CacheTransfer(cache_dir, p.cache_bytes, os.path.join(logs, SKIPPED), 64, p.n_states, p.hidden_size,
                              nan_rows())
     HiddenStatesTransfer.register(CacheTransfer)  # an ABC: ours is a virtual subclass
@@ -580,10 +575,15 @@ def stop_run(reason, out):
     os._exit(1)
 
 
-def reset_spool(out):
-    """The spool holds only files in flight: whatever a killed run left there is stale."""
+def prepare(out, p):
+    """Rank 0, before the engine starts and before the other ranks read anything: the spool emptied (it holds only
+    files in flight: a killed run's are stale), the cache recounted, logs/ made."""
     spool = os.path.join(out, SPOOL)
     if os.path.isdir(spool):
         shutil.rmtree(spool)
     os.makedirs(spool)
-    return spool
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    cache_dir = os.path.join(out, CACHE)
+    files, used = prepare_cache(cache_dir, p.cache_bytes)
+    if p.cache_bytes:
+        log.info(f"sample cache {cache_dir}: {files} files, {used / 1e9:.2f} of {p.cache_bytes / 1e9:.2f} GB")

@@ -22,10 +22,10 @@ from test_cli_prepare_vocab import assert_refused
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory, model_path):
-    """Stages 01 and 03 only (online training needs no stage 02): 24 ShareGPT rows of at most 512 tokens."""
+    """Stages 01 and 03 only (online training needs no stage 02): 12 ShareGPT rows of at most 512 tokens."""
     root = tmp_path_factory.mktemp("online")
     d = {"prepared": root / "prepared", "vocab": root / "vocab"}
-    for argv in (["01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "24", "--max-seq-len", "512",
+    for argv in (["01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "12", "--max-seq-len", "512",
                   "--output-dir", str(d["prepared"])],
                  ["03_build_vocab_mapping.py", "--prepared-data", str(d["prepared"]), "--draft-vocab-size", "2048",
                   "--output-dir", str(d["vocab"])]):
@@ -171,7 +171,7 @@ def test_online_vllm_kill_resume_cache_and_skipped_sample(small, model_path, tmp
     checkpoint; a sample whose states come back non-finite is skipped and counted; the second epoch reads the cached
     samples; nothing is left beyond the budget."""
     out = tmp_path / "draft"
-    budget_gb = 0.02  # the 24 rows hold about 54 MB of states: a third fits
+    budget_gb = 0.01  # the 12 rows hold about 27 MB of states: a third fits
     argv = online_args(model_path, small, out, "--epochs", "2", "--checkpoint-freq", "0.5", "--cache-gb",
                        str(budget_gb))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "EAGLE3_INJECT_NAN_ROWS": "3"}
