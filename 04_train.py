@@ -97,7 +97,7 @@ def main():
         if states:
             log.info(online.describe(states, args.backend))
             online.prepare(out, states)
-            server = online.launch(args, states, out)
+            server = online.launch(args, states, out, rows[0][0][:16])
             server.watch(lambda why: online.stop_run(f"the extraction engine {why}", out))
         training.build_bridge(rows, bridge, server and server.url)
     url = training.wait_for_bridge(bridge, timeout=args.engine_timeout + 600)
@@ -127,12 +127,7 @@ def main():
             inputs={"prepared_data": os.path.abspath(args.prepared_data), "hidden_states": "online" if args.online else
                     os.path.abspath(args.hidden_states), "vocab_mapping": os.path.abspath(args.vocab_mapping)},
             speculators_config=json.loads(json.dumps(cfg.flatten(), default=str)), **result))
-        last = os.path.join(out, "last")
-        log.info(f"checkpoint: {last} -> {os.path.realpath(last)}")
-        from eagle3pipe import engine
-        blocker = engine.eagle3_blocker(verifier.text_config(verifier.model_files(args.model_path)[0]), not on_cpu)
-        where = f" (on a GPU machine: {blocker})" if blocker else ""
-        print(f"serve it{where}: {engine.serve_command(args.model_path, last, args.ttt_steps, bool(blocker))}")
+        training.print_serve_command(args, out, tc, on_cpu)
     return 0
 
 

@@ -6,6 +6,7 @@ hidden 4096, 32 layers, 32 heads / 8 KV heads, MLP 14336; random weights, SmolLM
 offline  stage 02 (HF backend, GPU 0) writes every state; stage 04 trains on GPU 1
 online   stage 04 --online --backend hf --engine-gpus 0: the engine on GPU 0 generates each batch's states while
          training runs on GPU 1 (vLLM is not on the lent image; the HF engine is the slower of the two)
+On a single GPU both share it: offline trains on it alone, online runs the engine beside the trainer.
 cached   (--cached) stage 04 --online --cache-gb with room for all, two epochs: the second reads the cache
 Stage 04's speed is speculators' own per-step profile (tokens / step time, the wait for the batch included), averaged
 over the logged steps after the first 10; `data wait` is the share of the step spent waiting for the batch.
@@ -77,19 +78,23 @@ def main():
     m = json.load(open(f"{w}/hs/manifest.json"))
     res["stage02"] = {"wall_s": round(s02, 1), "tok_s": m["throughput"]["tokens_per_s"],
                       "disk_gb": round(m["counts"]["bytes"] / 1e9, 2)}
-    s04, _ = run(common + ["--hidden-states", f"{w}/hs", "--output-dir", f"{w}/ck_off"], f"{a.out}/o_04_off.log", "1")
+    # two GPUs: the engine on GPU 0, training on GPU 1; one GPU: both share it (offline trains on it alone)
+    train_gpu, both = ("1", "0,1") if res["gpus"] >= 2 else ("0", "0")
+    res["layout"] = "engine GPU 0, training GPU 1" if res["gpus"] >= 2 else "engine and training share GPU 0"
+    s04, _ = run(common + ["--hidden-states", f"{w}/hs", "--output-dir", f"{w}/ck_off"], f"{a.out}/o_04_off.log",
+                 train_gpu)
     res["offline"] = {"wall_s": round(s04, 1), **train_speed(f"{w}/ck_off")}
     print(f"offline: {json.dumps(res['offline'])}", flush=True)
 
     s04, err = run(common + ["--online", "--backend", "hf", "--engine-gpus", "0", "--output-dir", f"{w}/ck_on"],
-                   f"{a.out}/o_04_on.log", "0,1")
+                   f"{a.out}/o_04_on.log", both)
     res["online"] = {"wall_s": round(s04, 1), **train_speed(f"{w}/ck_on"),
                      "engine_line": next((x for x in err.splitlines() if "ready in" in x), "")[20:]}
     res["online_vs_offline_tok_s"] = round(res["online"]["tok_s"] / res["offline"]["tok_s"], 3)
     print(f"online: {json.dumps(res['online'])}", flush=True)
     if a.cached:
         s04, err = run(common + ["--online", "--backend", "hf", "--engine-gpus", "0", "--cache-gb", "100",
-                                 "--output-dir", f"{w}/ck_cached"], f"{a.out}/o_04_cached.log", "0,1")
+                                 "--output-dir", f"{w}/ck_cached"], f"{a.out}/o_04_cached.log", both)
         res["cached"] = {"wall_s": round(s04, 1), **train_speed(f"{w}/ck_cached"),
                          "online": json.load(open(f"{w}/ck_cached/manifest.json"))["online"]}
     print("RESULT " + json.dumps(res), flush=True)

@@ -30,7 +30,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from typing import Optional
 
@@ -183,12 +182,21 @@ def describe(p, backend):
 
 # ---------------------------------------------------------------- the engine process
 
-def launch(s, p, out):
-    """Start the engine stage 04 owns (or point at --engine-address) and wait until it answers."""
+def launch(s, p, out, probe_ids):
+    """Start the engine stage 04 owns (or point at --engine-address), wait until it answers, and check its first
+    answer (`probe_ids`: a few tokens of the first row)."""
+    engine = Engine(f"http://{p.address}/v1") if p.address else _start(s, p, out)
+    try:
+        engine.probe(s.model_path, probe_ids, p.n_states, p.hidden_size)
+    except RunError:
+        engine.stop()
+        raise
+    return engine
+
+
+def _start(s, p, out):
     from .engine import cpu_vllm_env
     spool = os.path.join(out, SPOOL)
-    if p.address:
-        return Engine(f"http://{p.address}/v1")
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")  # our connector and hf_server import from here
@@ -291,6 +299,35 @@ class Engine:
                 time.sleep(1)
         raise RunError(f"the extraction engine did not answer at {self.url} within --engine-timeout {timeout} s; see "
                        f"{self.log_path}")
+
+    def probe(self, model, token_ids, n_states, hidden):
+        """One short request before training: the engine answers with a file this process can read, holding
+        [T, n_states, hidden] states for exactly these tokens. An engine storing other layers (another --layer-ids,
+        another model) or writing where this machine cannot read is refused here, not after the first batch."""
+        from .extraction import wait_for_engine_file
+        from .hidden_states import read_header
+        body = json.dumps({"model": model, "prompt": token_ids, "max_tokens": 1, "return_token_ids": True}).encode()
+        req = urllib.request.Request(self.url + "/completions", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                path = (json.loads(r.read()).get("kv_transfer_params") or {}).get("hidden_states_path")
+        except (OSError, ValueError) as e:
+            raise RunError(f"the extraction engine at {self.url} failed a first request ({e}); see its log "
+                           f"{self.log_path or 'on its host'}")
+        if not path:
+            raise RunError(f"the extraction engine at {self.url} returned no hidden_states_path: it runs without the "
+                           f"hidden-states connector")
+        try:
+            wait_for_engine_file(path)
+            shape = read_header(path)[0]["hidden_states"]["shape"]
+            os.remove(path)
+        except (OSError, ValueError, KeyError) as e:
+            raise RunError(f"the extraction engine wrote {path}, which this process cannot read or delete ({e}); "
+                           f"its spool must be on a filesystem stage 04 shares")
+        if shape != [len(token_ids), n_states, hidden]:
+            raise RunError(f"the extraction engine at {self.url} stores hidden states of shape {shape} for "
+                           f"{len(token_ids)} tokens; this run needs [{len(token_ids)}, {n_states}, {hidden}] (its "
+                           f"layer ids or model differ from --layer-ids / --model-path)")
 
     def watch(self, on_death, every=5.0):
         """A daemon thread: when the engine dies (our child exits; an outside one fails 3 probes in a row),

@@ -278,6 +278,16 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
     return PipelineTrainer
 
 
+def print_serve_command(args, out, text_cfg, on_cpu):
+    """The checkpoint, and the command that serves it with the vLLM installed here (or why it cannot here)."""
+    from .engine import eagle3_blocker, serve_command
+    last = os.path.join(out, "last")
+    log.info(f"checkpoint: {last} -> {os.path.realpath(last)}")
+    blocker = eagle3_blocker(text_cfg, not on_cpu)
+    where = f" (on a GPU machine: {blocker})" if blocker else ""
+    print(f"serve it{where}: {serve_command(args.model_path, last, args.ttt_steps, bool(blocker))}")
+
+
 def prepare_output(args, identity, inputs, rank):
     """Rank 0 takes the folder (outdir.claim: only stage 04's own, the lock, --overwrite of exactly what earlier runs
     recorded) and resumes only with the same inputs. -> the real output path."""

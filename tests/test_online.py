@@ -239,3 +239,28 @@ def test_online_hf_engine_death_stops_the_run_with_one_line(small, model_path, t
     while _pids_alive(family) and time.time() < deadline:
         time.sleep(0.5)
     assert not _pids_alive(family)
+
+
+@pytest.mark.e2e
+def test_external_engine_with_other_layers_is_refused_before_training(small, model_path, tmp_path):
+    """An engine at --engine-address that stores other layers than this run needs: one line after its first answer,
+    before any training (and the engine, not ours, keeps running)."""
+    port = closed_port()
+    log = open(tmp_path / "engine.log", "w")
+    engine = subprocess.Popen([sys.executable, "-m", "eagle3pipe.hf_server", "--model-path", model_path, "--layer-ids",
+                               "2,15,30", "--spool", str(tmp_path / "spool"), "--port", str(port)], cwd=REPO,
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while "serving" not in (tmp_path / "engine.log").read_text() and time.time() < deadline:
+            assert engine.poll() is None, (tmp_path / "engine.log").read_text()
+            time.sleep(0.5)
+        p, _ = run_script(*online_args(model_path, small, tmp_path / "ck", "--engine-address", f"127.0.0.1:{port}"))
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+        assert p.returncode == 1 and len(errors) == 1, p.stderr[-3000:]
+        assert "stores hidden states of shape [16, 3, 576]" in errors[0] and "[16, 4, 576]" in errors[0]
+        assert "step " not in p.stderr and engine.poll() is None
+        assert os.listdir(tmp_path / "spool") == []  # the probe's file was read and deleted
+    finally:
+        engine.kill()
+        log.close()

@@ -36,6 +36,8 @@ def test_cross_stage_refusals(stages, model_path, tmp_path):
         (["--vocab-mapping", str(stages["prepared"])], ["is the output of stage 'prepare'"]),
         (["--total-seq-len", "100"], ["--total-seq-len 100", "longest row"]),
         (["--lr", "5"], ["--lr 5"]),
+        (["--layer-ids", "3,15,27"], ["--layer-ids [3, 15, 27]", "stage 02 extracted [2, 15, 27]"]),
+        (["--engine-gpus", "0"], ["--engine-gpus", "only with --online"]),
         (["--hidden-state", "x"], ["unknown flag --hidden-state", "did you mean --hidden-states"]),
     ]
     for extra, needles in cases:
