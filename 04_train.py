@@ -5,9 +5,12 @@ Usage:
     python 04_train.py --model-path M --prepared-data data/prepared --hidden-states data/hidden_states \
         --vocab-mapping data/vocab_map_32000 --output-dir data/checkpoints --epochs 10
     torchrun --nproc-per-node 8 04_train.py --config configs/kimi-k2.5-int4.yaml [--fsdp]
+    python 04_train.py --config configs/smollm2-135m.yaml --online [--backend hf] [--cache-gb 20]
 
 Inputs:  stages 01 (rows, loss masks), 02 (hidden states, layer ids), 03 (d2t/t2d); all three manifests and the
-         files are checked against each other and the verifier before anything heavy is imported.
+         files are checked against each other and the verifier before anything heavy is imported. With --online no
+         stage 02: an extraction engine (vLLM's server or eagle3pipe/hf_server.py) generates each batch's states
+         ahead of the trainer; they are deleted once read, or kept up to --cache-gb (eagle3pipe/online.py).
 Outputs: --output-dir/<epoch>/ speculators checkpoints (config.json + model.safetensors), `last` and
          `checkpoint_best` pointers, manifest.json, train.log-style dense lines on stderr. A rerun of the same
          command resumes from the last checkpoint (mid-epoch ones with --checkpoint-freq < 1).
@@ -51,14 +54,14 @@ def parse_args(argv=None):
     o.add_argument("--online", action="store_true", help="generate hidden states on demand with an extraction engine")
     o.add_argument("--backend", choices=["vllm", "hf"], default="vllm", help="the engine: vLLM's server or transformers")
     o.add_argument("--layer-ids", type=cli.int_list, default=None,
-                   help="auxiliary layer ids as stage 02 takes them (default [2, n//2, n-3]); id n is always added")
+                   help="auxiliary layer ids as stage 02 takes them (none: [2, n//2, n-3]); id n is always added")
     o.add_argument("--cache-gb", type=float, default=0.0, help="keep generated samples up to N GB for later epochs")
     o.add_argument("--engine-address", default=None, help="host:port of an engine already running (not started here)")
     o.add_argument("--engine-gpus", type=cli.int_list, default=None,
-                   help="GPUs for the engine, tensor parallel over them (default: one GPU is shared, else the first half)")
-    o.add_argument("--engine-port", type=int, default=None, help="port for the engine (default: a free one)")
+                   help="GPUs for the engine, tensor parallel over them (none: one GPU is shared, else the first half)")
+    o.add_argument("--engine-port", type=int, default=None, help="port for the engine (none: a free one)")
     o.add_argument("--engine-memory", type=float, default=None,
-                   help="fraction of each engine GPU vLLM may use (default 0.85, 0.45 on a GPU shared with training)")
+                   help="fraction of each engine GPU vLLM may use (none: 0.85, or 0.45 on a GPU shared with training)")
     o.add_argument("--engine-timeout", type=int, default=3600, help="seconds the engine may take to load")
     return cli.parse_args(p, "train", argv, required=["model_path"])
 

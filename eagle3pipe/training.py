@@ -285,7 +285,8 @@ def print_serve_command(args, out, text_cfg, on_cpu):
     log.info(f"checkpoint: {last} -> {os.path.realpath(last)}")
     blocker = eagle3_blocker(text_cfg, not on_cpu)
     where = f" (on a GPU machine: {blocker})" if blocker else ""
-    print(f"serve it{where}: {serve_command(args.model_path, last, args.ttt_steps, bool(blocker))}")
+    elsewhere = bool(blocker) or not on_cpu  # a GPU machine serves with vLLM's GPU build, installed here or not
+    print(f"serve it{where}: {serve_command(args.model_path, last, args.ttt_steps, elsewhere)}")
 
 
 def prepare_output(args, identity, inputs, rank):
