@@ -124,8 +124,8 @@ def record(cls, **over):
                 total_seq_len=64, num_layers=1, ttt_steps=1, checkpoint_freq=1.0, log_every=1, val_ratio=0.1,
                 num_prompts=1, num_speculative_tokens=1, max_new_tokens=1, batch_sizes=[1], draft_vocab_size=8,
                 gpu_memory_utilization=0.5, regen_temperature=0.0, regen_max_tokens=1, regen_batch_size=1,
-                regen_tp_size=1)
-    for flag in ("trust_remote_code", "regenerate", "verify", "dry_run", "overwrite", "fsdp"):
+                regen_tp_size=1, cache_gb=0.0, engine_timeout=60)
+    for flag in ("trust_remote_code", "regenerate", "verify", "dry_run", "overwrite", "fsdp", "online"):
         base[flag] = False
     base.update(over)
     return cls(**{k: v for k, v in base.items() if k in cls.__dataclass_fields__})

@@ -53,7 +53,8 @@ def test_training_lowers_the_loss_into_a_servable_checkpoint(trained, model_path
     assert len(ls) >= 10, p.stderr[-2000:]
     first, last = sum(ls[:3]) / 3, sum(ls[-3:]) / 3
     assert last < 0.8 * first, (first, last)
-    assert re.search(r"step \d+/\d+ epoch \d+ loss [0-9.]+ acc\[[0-9. ]+\] lr [0-9.e+-]+ [0-9,]+ tok/s ETA", p.stderr)
+    assert re.search(r"step \d+/\d+ epoch \d+ loss [0-9.]+ acc\[[0-9. ]+\] lr [0-9.e+-]+ [0-9,]+ tok/s "
+                     r"data wait \d+% ETA", p.stderr)
     last_dir = out / "last"
     assert last_dir.is_symlink() and (last_dir / "config.json").exists()
     cfg = json.load(open(last_dir / "config.json"))
