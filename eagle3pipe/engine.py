@@ -35,11 +35,13 @@ def visible_gpus():
     return [(name, total) for _, name, total in gpus]
 
 
-def cpu_vllm_env():
+def cpu_vllm_env(env=None):
+    """vLLM-CPU's settings, into `env` (default: this process's environment) unless already set."""
+    env = os.environ if env is None else env
     n = os.cpu_count() or 1
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype="bfloat16", **kw):

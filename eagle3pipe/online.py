@@ -23,7 +23,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -34,6 +33,7 @@ import urllib.request
 from typing import Optional
 
 from .cli import RunError, UsageError
+from .outdir import TMP
 
 log = logging.getLogger("eagle3")
 
@@ -115,8 +115,9 @@ def check_engine(s, text_cfg, weights, gpus, engine_gpus, shared):
     memory = s.engine_memory if s.engine_memory is not None else (0.45 if shared else 0.85)
     if weights:
         if engine_gpus:
-            have = min(gpus[i][1] for i in engine_gpus) * memory * (tp if s.backend == "vllm" else 1)
-            have = have if s.backend == "vllm" else sum(gpus[i][1] for i in engine_gpus) * memory
+            # vLLM splits the weights evenly over TP; the HF engine fills its GPUs one after another
+            have = memory * (min(gpus[i][1] for i in engine_gpus) * tp if s.backend == "vllm"
+                             else sum(gpus[i][1] for i in engine_gpus))
             where = f"{tp} engine GPU(s) at --engine-memory {memory}"
         else:
             from .preflight import available_ram
@@ -204,11 +205,7 @@ def _start(s, p, out):
         env["CUDA_VISIBLE_DEVICES"] = p.engine_cvd
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
-        saved = dict(os.environ)
-        cpu_vllm_env()
-        env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")})
-        os.environ.clear()
-        os.environ.update(saved)
+        cpu_vllm_env(env)
     cmd = engine_command(s, p.layer_ids, spool, p.port, p.max_len, p.tp, p.memory, p.on_gpu)
     engine = Engine.start(cmd, env, os.path.join(out, ENGINE_LOG), p.port)
     took = engine.wait_ready(s.engine_timeout)
@@ -489,7 +486,7 @@ def prepare_cache(cache_dir, budget_bytes):
     """Rank 0, before training: the cache's files re-counted (a killed run may have left the count behind), files
     over a smaller budget than last time dropped, temporary files of dead writers removed. -> (files, bytes)."""
     from .hidden_states import HS_NAME
-    from .outdir import TMP, pid_alive
+    from .outdir import pid_alive
     os.makedirs(cache_dir, exist_ok=True)
     names, used = [], 0
     for e in sorted(os.scandir(cache_dir), key=lambda e: e.name):
@@ -498,16 +495,19 @@ def prepare_cache(cache_dir, budget_bytes):
             os.remove(e.path)
         elif e.name.startswith("hs_") and e.name.endswith(".safetensors"):
             names.append((int(e.name[3:-12]) if e.name[3:-12].isdigit() else -1, e))
+    kept = 0
     for i, e in sorted(names):
+        if e.name != HS_NAME.format(i):
+            continue  # not a name we write (hs_007...): not ours to count or delete
         size = e.stat().st_size
-        if e.name != HS_NAME.format(i) or used + size > budget_bytes:
+        if used + size > budget_bytes:
             os.remove(e.path)
         else:
-            used += size
+            used, kept = used + size, kept + 1
     with _BudgetLock(cache_dir) as b:
         b.used = used
         b.before = -1  # always write the count
-    return len([n for n in os.listdir(cache_dir) if n.startswith("hs_")]), used
+    return kept, used
 
 
 def dataset_class():
@@ -616,9 +616,10 @@ def prepare(out, p):
     """Rank 0, before the engine starts and before the other ranks read anything: the spool emptied (it holds only
     files in flight: a killed run's are stale), the cache recounted, logs/ made."""
     spool = os.path.join(out, SPOOL)
-    if os.path.isdir(spool):
-        shutil.rmtree(spool)
-    os.makedirs(spool)
+    os.makedirs(spool, exist_ok=True)
+    for name in os.listdir(spool):  # what engines write there (and their locks and temporary names); nothing else
+        if name.endswith((".safetensors", ".safetensors.lock")) or TMP.fullmatch(name):
+            os.remove(os.path.join(spool, name))
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     cache_dir = os.path.join(out, CACHE)
     files, used = prepare_cache(cache_dir, p.cache_bytes)
