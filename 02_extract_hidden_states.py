@@ -40,8 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--storage-dtype", choices=["bf16", "fp8"], default="bf16",
                    help="fp8: e4m3 with a per-token scale, half the disk; stage 04 reads both")
     p.add_argument("--writer-threads", type=int, default=None,
-                   help="threads writing files (default: 4 on GPU, 1 on CPU next to the vLLM engine); "
-                        "more can help on a network filesystem")
+                   help="threads writing files (default: 8 on GPU, at most the CPU count; 1 on CPU next to the "
+                        "vLLM engine); more can help on a network filesystem")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code")
     p.add_argument("--shard", type=cli.shard, default=None,
                    help="I/N: this replica extracts the rows whose index %% N == I; N replicas share --output-dir")

@@ -67,6 +67,18 @@ def wait(p, name):
     return out
 
 
+def batch_tensors(rows, b):
+    """The rows `b` as right-padded [B, T] input ids and attention mask (CPU)."""
+    import torch
+    t = max(len(rows[i]) for i in b)
+    ids = torch.zeros(len(b), t, dtype=torch.long)
+    mask = torch.zeros(len(b), t, dtype=torch.long)
+    for k, i in enumerate(b):
+        ids[k, : len(rows[i])] = torch.as_tensor(rows[i])
+        mask[k, : len(rows[i])] = 1
+    return ids, mask
+
+
 def bare_forward(model_path, rows, batches, per_batch=None):
     """Seconds for all `batches` through the bare model, after one untimed warm-up batch (the first, longest one:
     kernels compile and caches fill there, in this process as in stage 02's). `per_batch`, a list, receives each
@@ -81,12 +93,7 @@ def bare_forward(model_path, rows, batches, per_batch=None):
             if n == 1:
                 torch.cuda.synchronize()
                 t0 = t_prev = time.time()
-            t = max(len(rows[i]) for i in b)
-            ids = torch.zeros(len(b), t, dtype=torch.long)
-            mask = torch.zeros(len(b), t, dtype=torch.long)
-            for k, i in enumerate(b):
-                ids[k, : len(rows[i])] = torch.as_tensor(rows[i])
-                mask[k, : len(rows[i])] = 1
+            ids, mask = batch_tensors(rows, b)
             model(input_ids=ids.cuda(non_blocking=True), attention_mask=mask.cuda(non_blocking=True), use_cache=False)
             if per_batch is not None and n >= 1:
                 torch.cuda.synchronize()

@@ -201,8 +201,10 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
     tokens done, seconds, the signal that stopped it or None). SIGTERM/SIGINT finish the batch in flight and its
     files, then return; a full disk is one line."""
     n_states, hidden = plan.n_states, plan.hidden_size
-    # a GPU needs several writer threads to keep up; on CPU one, at low priority, next to the vLLM engine's threads
-    writer_threads = args.writer_threads or (4 if plan.on_gpu else 1)
+    # a GPU needs several writer threads to keep up (CRC and page-cache copy run at 1-2 GB/s per thread on the lent
+    # H200's host; at Kimi's width the forward makes 5 GB/s of states); on CPU one, at low priority, next to the
+    # vLLM engine's threads
+    writer_threads = args.writer_threads or (min(8, os.cpu_count() or 1) if plan.on_gpu else 1)
     background_writer = args.backend == "vllm" and not plan.on_gpu
     failed, done_tokens, written = {}, [0], set()
     oom_above, nan_rows = faults.oom_above(), faults.nan_rows()

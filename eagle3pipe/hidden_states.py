@@ -55,30 +55,44 @@ def dequantize(tensors):
 
 def save(path, tensors, **metadata):
     """Write {name: contiguous CPU tensor} as safetensors with a CRC-32 of the data (and any `metadata` strings)
-    in the header, atomically (a temporary name in the same folder, renamed when complete). The tensors' memory is written as is: no intermediate copy, and
-    the GIL is released during the writes, so several writer threads overlap."""
+    in the header, atomically (a temporary name in the same folder, renamed when complete). The tensors' memory is
+    written as is, no intermediate copy. The CRC is computed chunk by chunk just before each chunk is written, while
+    it is still in the CPU's cache (one pass over the data instead of two), and the header is written last in place
+    of a placeholder of the same length. zlib and the writes release the GIL, so several writer threads overlap."""
     import torch
     from . import faults
     from .files import atomic_path
-    header, views, offset, crc = {}, [], 0, 0
+    header, views, offset = {}, [], 0
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         mv = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
         header[name] = {"dtype": _ST_DTYPES[str(t.dtype)], "shape": list(t.shape),
                         "data_offsets": [offset, offset + len(mv)]}
         offset += len(mv)
-        crc = zlib.crc32(mv, crc)
         views.append(mv)
-    header["__metadata__"] = {"format": "pt", "crc32": f"{crc:08x}", **{k: str(v) for k, v in metadata.items()}}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+
+    def encode(crc):
+        header["__metadata__"] = {"format": "pt", "crc32": f"{crc:08x}", **{k: str(v) for k, v in metadata.items()}}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        return struct.pack("<Q", len(raw) + (-len(raw) % 8)) + raw + b" " * (-len(raw) % 8)  # data 8-byte aligned
+
+    head, crc = encode(0), 0  # the placeholder: "00000000", as long as any CRC's hex
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.write(head)
             for k, mv in enumerate(views):
-                f.write(mv)
+                for at in range(0, len(mv), _CHUNK):
+                    crc = zlib.crc32(mv[at: at + _CHUNK], crc)
+                    f.write(mv[at: at + _CHUNK])
                 if k == 0:
                     faults.kill_point("write")  # a reliability test: die with the file half written
+            final = encode(crc)
+            assert len(final) == len(head)  # fixed-width hex: the data section does not move
+            f.seek(0)
+            f.write(final)
+
+
+_CHUNK = 1 << 20  # fits in a core's L2 cache
 
 
 def read_header(path):
