@@ -80,3 +80,25 @@ def test_non_finite_values_are_refused(tmp_path):
     assert hs.check_file(hs.hs_path(tmp_path, 0), ids.tolist(), L, H) == "non-finite values"
     q, scale = hs.quantize_fp8(x)  # amax propagates the inf into that token's scale
     assert not torch.isfinite(scale[3]).all() and torch.isfinite(scale[:3]).all()
+
+
+def test_checksum_over_several_chunks(tmp_path):
+    """A sample larger than the writer's CRC chunk (the CRC is computed chunk by chunk beside the writes, and the
+    header written last): the header's CRC is zlib's over the whole data section, every tensor reads back intact,
+    and a flipped bit past the first chunk is caught."""
+    import zlib
+    torch.manual_seed(1)
+    n = 3 * hs._CHUNK // (L * H * 2) + 5  # tokens: a bit over three chunks of bf16 states
+    x, ids = torch.randn(n, L, H).to(torch.bfloat16), torch.arange(n)
+    path = hs.hs_path(tmp_path, 0)
+    hs.save(path, {"hidden_states": x, "token_ids": ids}, note="kept")
+    header, start, _ = hs.read_header(path)
+    data = open(path, "rb").read()
+    assert header["__metadata__"] == {"format": "pt", "crc32": f"{zlib.crc32(data[start:]):08x}", "note": "kept"}
+    loaded = load_file(path)
+    assert torch.equal(loaded["hidden_states"], x) and torch.equal(loaded["token_ids"], ids)
+    assert hs.check_file(path, ids.tolist(), L, H) is None
+    flipped = bytearray(data)
+    flipped[start + 2 * hs._CHUNK + 7] ^= 0x01
+    open(path, "wb").write(bytes(flipped))
+    assert "checksum mismatch" in hs.check_file(path, ids.tolist(), L, H)
