@@ -493,12 +493,10 @@ def prepare_cache(cache_dir, budget_bytes):
         m = TMP.fullmatch(e.name)
         if m and not pid_alive(int(m.group(2))):
             os.remove(e.path)
-        elif e.name.startswith("hs_") and e.name.endswith(".safetensors"):
-            names.append((int(e.name[3:-12]) if e.name[3:-12].isdigit() else -1, e))
+        elif e.name[3:-12].isdigit() and e.name == HS_NAME.format(int(e.name[3:-12])):  # not ours: hs_007..., notes
+            names.append((int(e.name[3:-12]), e))
     kept = 0
     for i, e in sorted(names):
-        if e.name != HS_NAME.format(i):
-            continue  # not a name we write (hs_007...): not ours to count or delete
         size = e.stat().st_size
         if used + size > budget_bytes:
             os.remove(e.path)
