@@ -5,6 +5,7 @@ stages 03 and 04 with default settings on the shallow one (stage 04's loss chose
 stage 04 takes to exit after its last line.
 
     python bench/bench_kimi_gpu.py --assets .gpu --work /tmp/k [--num-samples 250] [--depths 4,12] [--hs-dir /dev/shm]
+                                   [--variants bf16,bf16_4_writers,fp8] [--no-cold] [--train-steps 40]
 
 --assets: the tokenizer files and config.json of SmolLM2 (the vocabulary; the weights are random: this measures
 speed, not quality) and train.json (ShareGPT). Prints one RESULT line (JSON).
@@ -96,6 +97,9 @@ def main():
     ap.add_argument("--train-steps", type=int, default=40)
     ap.add_argument("--hs-dir", default=None, help="where stage 02 writes (default --work); /dev/shm takes the disk "
                     "out of the measurement: what the code reaches when the storage keeps up")
+    ap.add_argument("--variants", default="bf16,bf16_4_writers,fp8", help="stage 02 runs: bf16 (defaults), "
+                    "bf16_4_writers, fp8")
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold bare pass in a fresh process")
     a = ap.parse_args()
     import torch
     sys.path.insert(0, REPO)
@@ -117,11 +121,13 @@ def main():
         # a first full pass untimed: every batch shape's kernels are tuned and cached on disk, as they are for the
         # stage 02 runs that follow it (a cold bare pass measured 0.6x of a warm one here)
         # a fresh process's single pass, as stage 02 runs: every batch shape met for the first time
-        r["bare_cold_tok_s"], r["bare_cold_steady_tok_s"] = cold_bare(model, prep, a.batch_size)
+        if not a.no_cold:
+            r["bare_cold_tok_s"], r["bare_cold_steady_tok_s"] = cold_bare(model, prep, a.batch_size)
         bare_forward(model, rows, batches)
         bare = tokens / bare_forward(model, rows, batches, per_batch)
         r["bare_forward_tok_s"], r["bare_steady_tok_s"] = round(bare, 1), round(bare_steady(per_batch), 1)
-        for name, extra in (("bf16", []), ("bf16_4_writers", ["--writer-threads", "4"]), ("fp8", ["--storage-dtype", "fp8"])):
+        variants = {"bf16": [], "bf16_4_writers": ["--writer-threads", "4"], "fp8": ["--storage-dtype", "fp8"]}
+        for name, extra in ((v, variants[v]) for v in a.variants.split(",")):
             out = f"{a.hs_dir or w}/hs{n}_{name}"
             wait(stage02(model, prep, out, *bs, *ids, *extra), f"stage 02 {name}")
             m = json.load(open(f"{out}/manifest.json"))

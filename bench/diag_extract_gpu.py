@@ -7,11 +7,16 @@ slice: a 4-layer DeepSeek-V3 at Kimi's width measured 0.79x). The same batches, 
                 (/dev/shm: no disk, no writeback); V: `noop` (the file write skipped: the queue, the event waits, the
                 checks), `nocrc` (the CRC skipped), `oldsave` (the save before issue 15's change), `fp8` (storage),
                 `spin` (copy events that waiting threads spin on, as before issue 15); several joined by `+`
+  bare:pinned   the inputs copied from pinned host memory (no wait before the copy; no gain measured)
+  forward:nocopy   the states left on the GPU (no device-to-host copy)
+  forward:immediate, writers:...:immediate   each batch's copy queued right after its own forward (before issue 15's
+                change: the copy then delayed the next batch's model at its host syncs)
 
-Each mode runs every batch once untimed, then once timed; then 10 middle batches under torch.profiler: the GPU's
+Each mode runs every batch twice, both timed (the first pass of the process's first mode meets every batch shape
+for the first time, as stage 02 does); then 10 middle batches under torch.profiler: the GPU's
 kernel time against the wall time (idle GPU = the host is the limit), device-to-host copy time, host-side calls.
 
-    python bench/diag_extract_gpu.py --assets .gpu --work /tmp/d [--layers 4] [--modes bare,forward,...]
+    python bench/diag_extract_gpu.py --assets .gpu --work /tmp/d [--layers 4] [--modes bare,forward,...] [--sdpa nocudnn]
 """
 import argparse
 import json
@@ -31,29 +36,44 @@ def make_step(mode, model_path, rows, layer_ids, work, hidden, n_states):
     """-> (step(batch), finish(), cleanup()) for one mode."""
     import torch
     from eagle3pipe import extraction
-    if mode == "bare":
+    if mode.startswith("bare"):  # bare:pinned: the inputs copied from pinned memory (no sync before the copy)
         from transformers import AutoModel
         model = AutoModel.from_pretrained(model_path, dtype=torch.bfloat16, device_map={"": "cuda"}).eval()
 
         def step(b):
             ids, mask = batch_tensors(rows, b)
+            if mode == "bare:pinned":
+                ids, mask = ids.pin_memory(), mask.pin_memory()
             with torch.inference_mode():
                 model(input_ids=ids.cuda(non_blocking=True), attention_mask=mask.cuda(non_blocking=True), use_cache=False)
         return step, torch.cuda.synchronize, lambda: None, model
     from eagle3pipe.backends import HFBackend
     backend = HFBackend(model_path, layer_ids)
-    if mode == "forward":
+    if mode == "forward:nocopy":  # the states stay on the GPU: no device-to-host copy at all
+        backend._hold = lambda out: (out, None)
+    if mode.endswith(":immediate"):  # each batch's copy queued right after its forward, as before issue 15's change
+        real_forward, mode = backend.forward, mode[: -len(":immediate")]
+
+        def forward(batch):
+            results = real_forward(batch)
+            backend.flush()
+            return results
+        backend.forward = forward
+    if mode in ("forward", "forward:nocopy"):
         prev = []
 
         def step(b):
             results = backend.forward([(i, rows[i]) for i in b])
             for r in prev:
-                r.event.synchronize()
+                if r.event is not None:
+                    r.event.synchronize()
             prev[:] = results.values()
 
         def finish():
+            backend.flush()
             for r in prev:
-                r.event.synchronize()
+                if r.event is not None:
+                    r.event.synchronize()
             torch.cuda.synchronize()
         return step, finish, lambda: None, backend.model
     # writers:<dest>:<threads>[:variant]; dest disk|shm; variant noop (no file write), nocrc (CRC skipped),
@@ -84,6 +104,7 @@ def make_step(mode, model_path, rows, layer_ids, work, hidden, n_states):
             writer[0].put(i, results[i])
 
     def finish():
+        backend.flush()
         writer[0].q.join()
         torch.cuda.synchronize()
 
@@ -122,6 +143,29 @@ def old_save(path, tensors):
                 f.write(mv)
 
 
+def check_deferred(model_path, rows, batches, layer_ids):
+    """The host tensors of 6 batches with each copy queued late (the default: at the next forward / flush) against
+    queued at once: identical bytes, or the largest difference."""
+    import torch
+    from eagle3pipe.backends import HFBackend
+    backend = HFBackend(model_path, layer_ids)
+
+    def collect(at_once):
+        got = {}
+        for b in batches[:6]:
+            got.update(backend.forward([(i, rows[i]) for i in b]))
+            if at_once:
+                backend.flush()
+        backend.flush()
+        for r in got.values():
+            r.event.synchronize()
+        return {i: ({k: v.clone() for k, v in r.tensors.items()}, bool(r.bad)) for i, r in got.items()}
+    late, now = collect(False), collect(True)
+    diff = max((late[i][0][k].float() - now[i][0][k].float()).abs().max().item() for i in now for k in now[i][0])
+    return {"rows": len(now), "identical": all(torch.equal(late[i][0][k], now[i][0][k]) for i in now for k in now[i][0])
+            and all(late[i][1] == now[i][1] for i in now), "max_abs_diff": diff}
+
+
 def host_speeds():
     """GB/s of one thread: zlib's CRC-32, a memory copy, a write to /dev/shm (72 MB: one sample at this width)."""
     import zlib
@@ -140,22 +184,58 @@ def host_speeds():
     return r
 
 
-def profile(step, finish, batches):
+LABELS = ("model", "step")  # record_function regions; the profiler mirrors them on the GPU's timeline too
+
+
+def idle_gaps(p, min_us=100):
+    """The GPU's idle gaps over `min_us` (no kernel on any stream), each charged to the host's innermost labelled
+    region (record_function: `model`, `step`) and CPU op running at the gap's middle: where the host held the GPU up."""
+    from torch.autograd import DeviceType
+    kern = sorted((e.time_range.start, e.time_range.end) for e in p.events()
+                  if e.device_type == DeviceType.CUDA and "memcpy" not in e.name.lower() and e.name not in LABELS)
+    cpu = sorted(((e.time_range.start, e.time_range.end, e.name) for e in p.events() if e.device_type == DeviceType.CPU))
+    if not kern:
+        return {}
+    by, end = {}, kern[0][1]
+    for a, b in kern[1:]:
+        if a - end > min_us:
+            mid = (a + end) / 2
+            on = [n for s0, s1, n in cpu if s0 <= mid <= s1]
+            labels = [n for n in on if n in LABELS]
+            key = f"{labels[-1] if labels else '-'} | {on[-1][:40] if on else '-'}"
+            c = by.setdefault(key, [0, 0.0])
+            c[0] += 1
+            c[1] += (a - end) / 1e3
+        end = max(end, b)
+    return {k: [n, round(ms, 1)] for k, (n, ms) in sorted(by.items(), key=lambda kv: -kv[1][1])[:8]}
+
+
+def profile(step, finish, batches, model=None):
     import torch
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity, profile as prof, record_function
     finish()
+    hook = None
+    if model is not None:  # label the model's forward, to charge each idle gap to the model or to our code
+        ctx = []
+        pre = model.register_forward_pre_hook(lambda *_: ctx.append(record_function("model").__enter__()))
+        post = model.register_forward_hook(lambda *_: ctx.pop().__exit__(None, None, None))
+        hook = (pre, post)
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         t0 = time.time()
         for b in batches:
-            step(b)
+            with record_function("step"):
+                step(b)
         finish()
         wall = time.time() - t0
+    for h in hook or ():
+        h.remove()
     from torch.autograd import DeviceType
     kernels = memcpy = 0.0
     host = {}
+    cpu_ops = sorted((e.time_range.start, e.time_range.end, e.name) for e in p.events() if e.device_type == DeviceType.CPU)
     for e in p.events():
         us = e.time_range.end - e.time_range.start
-        if e.device_type == DeviceType.CUDA:
+        if e.device_type == DeviceType.CUDA and e.name not in LABELS:
             if "memcpy" in e.name.lower():
                 memcpy += us
             else:
@@ -165,8 +245,21 @@ def profile(step, finish, batches):
             c[0] += 1
             c[1] += us / 1e3
     top = sorted(host.items(), key=lambda kv: -kv[1][1])[:8]
-    return {"wall_s": round(wall, 3), "gpu_kernel_s": round(kernels / 1e6, 3), "gpu_busy": round(kernels / 1e6 / wall, 3),
-            "memcpy_s": round(memcpy / 1e6, 3), "host_calls_ms": {k: [n, round(ms, 1)] for k, (n, ms) in top}}
+    ops = sorted((e for e in p.key_averages() if e.device_type == DeviceType.CPU), key=lambda e: -e.self_cpu_time_total)
+    attn = sorted({e.name[:60] for e in p.events() if e.device_type == DeviceType.CUDA
+                   and any(w in e.name.lower() for w in ("fmha", "flash", "attention", "cudnn", "sdpa"))})
+    sync_at = {}
+    for s0, s1, name in sorted(((e.time_range.start, e.time_range.end, e.name) for e in p.events()
+                                if e.device_type == DeviceType.CPU)):
+        if name in ("cudaStreamSynchronize", "cudaMemcpyAsync"):
+            outer = [n for a, b, n in cpu_ops if a <= s0 and s1 <= b and n.startswith("aten::")]
+            key = f"{name} in {' > '.join(outer[-2:])}"
+            sync_at[key] = sync_at.get(key, 0) + 1
+    return {"sync_and_copy_sites": dict(sorted(sync_at.items(), key=lambda kv: -kv[1])[:10]),
+            "wall_s": round(wall, 3), "gpu_kernel_s": round(kernels / 1e6, 3), "gpu_busy": round(kernels / 1e6 / wall, 3),
+            "memcpy_s": round(memcpy / 1e6, 3), "host_calls_ms": {k: [n, round(ms, 1)] for k, (n, ms) in top},
+            "host_self_ms": {e.key[:40]: [e.count, round(e.self_cpu_time_total / 1e3, 1)] for e in ops[:10]},
+            "attention_kernels": attn[:4], "idle_gaps_ms": idle_gaps(p)}
 
 
 def main():
@@ -176,8 +269,16 @@ def main():
     ap.add_argument("--num-samples", type=int, default=250)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--modes", default="bare,forward,writers:shm:4:noop,writers:shm:4,writers:disk:4")
+    ap.add_argument("--sdpa", default="default", choices=["default", "nocudnn", "efficient", "flash", "cudnn", "math"],
+                    help="torch SDPA backends allowed in this process (nocudnn: all but cuDNN's, which plans per shape)")
+    ap.add_argument("--check", action="store_true", help="first compare deferred against immediate host copies")
     a = ap.parse_args()
     import torch
+    if a.sdpa != "default":
+        b = torch.backends.cuda
+        for name, enable in (("cudnn", b.enable_cudnn_sdp), ("efficient", b.enable_mem_efficient_sdp),
+                             ("flash", b.enable_flash_sdp), ("math", b.enable_math_sdp)):
+            enable(name != "cudnn" if a.sdpa == "nocudnn" else name == a.sdpa)
     from eagle3pipe.extraction import make_batches
     os.makedirs(a.work, exist_ok=True)
     model, prep = f"{a.work}/v{a.layers}", f"{a.work}/prep"
@@ -190,21 +291,27 @@ def main():
     layer_ids = [1, 2, 3, a.layers] if a.layers < 7 else [2, a.layers // 2, a.layers - 3, a.layers]
     batches = make_batches(range(len(rows)), [len(r) for r in rows], 8)
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "tokens": tokens, "batches": len(batches),
-           "cpus": os.cpu_count(), "host": host_speeds()}
+           "cpus": os.cpu_count(), "host": host_speeds(), "sdpa": a.sdpa,
+           "shapes": len({max(len(rows[i]) for i in b) for b in batches})}
     print("host", json.dumps(res["host"]), flush=True)
+    if a.check:
+        res["check_deferred"] = check_deferred(model, rows, batches, layer_ids)
+        print("check_deferred", json.dumps(res["check_deferred"]), flush=True)
     for mode in a.modes.split(","):
         step, finish, cleanup, m = make_step(mode, model, rows, layer_ids, a.work, cfg["hidden_size"], len(layer_ids))
         r = {"experts": getattr(m.config, "_experts_implementation", None), "attn": m.config._attn_implementation}
-        for b in batches:  # untimed: kernels tuned per shape, pinned buffers and allocator pools filled
+        t0 = time.time()
+        for b in batches:  # first pass (cold if this mode is the process's first): per-shape setup, pools filled
             step(b)
         finish()
+        r["first_tok_s"] = round(tokens / (time.time() - t0), 1)
         t0 = time.time()
         for b in batches:
             step(b)
         finish()
         r["tok_s"] = round(tokens / (time.time() - t0), 1)
         mid = len(batches) // 2
-        r["profile_10"] = profile(step, finish, batches[mid - 5: mid + 5])
+        r["profile_10"] = profile(step, finish, batches[mid - 5: mid + 5], m)
         cleanup()
         del step, finish, m
         torch.cuda.empty_cache()

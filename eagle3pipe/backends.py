@@ -1,7 +1,8 @@
 """Stage 02's two ways of running the verifier.
 
-- HFBackend.forward([(row, ids)]) -> {row: extraction.Pending}: one padded batch; host copies land behind the next
-  batch's compute. `recover()` after an out-of-memory error (the run loop splits the batch).
+- HFBackend.forward([(row, ids)]) -> {row: extraction.Pending}: one padded batch; its host copy is queued by the
+  next forward() (or flush(), which the caller owes after its last batch) and lands behind that batch's compute.
+  `recover()` after an out-of-memory error (the run loop splits the batch).
 - VLLMBackend.forward([(row, ids)]) -> {row: path of the file the engine is writing}; the engine's KV cache is
   allocated up front, so there is no per-batch out-of-memory to recover from.
 
@@ -10,6 +11,7 @@ layer before the final norm.
 """
 import logging
 import os
+import threading
 
 log = logging.getLogger("eagle3")
 
@@ -40,6 +42,7 @@ class HFBackend:
         self.storage, self.pin_bytes = storage, 0
         self.nan_rows = {int(x) for x in os.environ.get("EAGLE3_INJECT_NAN_ROWS", "").split(",") if x.strip()}
         self.copy_stream = torch.cuda.Stream(self.input_device) if self.input_device.type == "cuda" else None
+        self.held = None  # the last batch's states, until its device-to-host copy is queued (see _hold)
 
     @staticmethod
     def _decoder_layers(model):
@@ -64,9 +67,9 @@ class HFBackend:
 
     def forward(self, batch):
         """-> {row: Pending}. Nothing here waits for the GPU: the states are stacked, checked for non-finite values
-        (and quantized for fp8) on the device, copied into a pinned host buffer on a side stream, and the writer
-        threads wait for that copy's event, so the next batch's forward is queued while this one's files are
-        written. The buffer is requested at one size (the largest batch's, which comes first), so the pinned-memory
+        (and quantized for fp8) on the device, copied into a pinned host buffer on a side stream once the next
+        batch's model call has returned (or at flush()), and the writer threads wait for that copy, so the next
+        batch's forward runs while this one's files are written. The buffer is requested at one size (the largest batch's, which comes first), so the pinned-memory
         cache hands back a freed one instead of pinning new memory for every batch."""
         from .extraction import Pending
         from .hidden_states import SCALES, quantize_fp8
@@ -80,8 +83,11 @@ class HFBackend:
         self.captured.clear()
         with torch.inference_mode():
             mask = mask.to(self.input_device, non_blocking=True)
-            self.model(input_ids=ids.to(self.input_device, non_blocking=True), attention_mask=mask.long(),
-                       use_cache=False)
+            try:
+                self.model(input_ids=ids.to(self.input_device, non_blocking=True), attention_mask=mask.long(),
+                           use_cache=False)
+            finally:  # past the model's own host syncs: the previous batch's copy can no longer delay them
+                self.flush()
             # [B, S, L+1, H]: one slot per layer id, in order (the last is id n)
             states = torch.stack([self.captured[s].to(self.input_device) for s in range(len(self.layer_ids))], dim=2)
             self.captured.clear()
@@ -94,33 +100,53 @@ class HFBackend:
             if self.storage == "fp8":  # [B, S, L+1, H] fp8 + [B, S, 1, 1] fp32 scales: half the copy and the disk
                 q, scale = quantize_fp8(states.flatten(0, 1))
                 out.update({"hidden_states": q.unflatten(0, states.shape[:2]), SCALES: scale.unflatten(0, states.shape[:2])})
-            event = None
+            copy = None
             if states.is_cuda:
-                out, event = self._to_host(out)
+                out, copy = self._hold(out)
         bad = out.pop("bad")
-        return {i: Pending({k: v[b, : len(row)] for k, v in out.items()}, event, bad[b])
+        return {i: Pending({k: v[b, : len(row)] for k, v in out.items()}, copy, bad[b])
                 for b, (i, row) in enumerate(batch)}
 
-    def _to_host(self, out):
+    def _hold(self, out):
+        """Host views of `out` in a pinned buffer, filled by a copy queued at the next forward() or flush(). Queued
+        now, the copy would hold the copy engine while the next batch's model makes its host syncs (transformers'
+        mask checks read a scalar back): the GPU idled ~13 ms a batch at Kimi's width (0.91x of a bare forward)."""
         torch = self.torch
         sizes = {k: -(-v.numel() * v.element_size() // 64) * 64 for k, v in out.items()}
         self.pin_bytes = max(self.pin_bytes, sum(sizes.values()))
         buf = torch.empty(self.pin_bytes, dtype=torch.uint8, pin_memory=True)
-        self.copy_stream.wait_stream(torch.cuda.current_stream())
         host, offset = {}, 0
-        with torch.cuda.stream(self.copy_stream):
-            for k, v in out.items():
-                v.record_stream(self.copy_stream)  # keep the device memory until the copy is done
-                host[k] = buf[offset: offset + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
-                host[k].copy_(v, non_blocking=True)
-                offset += sizes[k]
-            # blocking: a writer thread waiting on it sleeps instead of spinning in the driver (4-8 spinning writers
-            # slowed the main thread's kernel launches by ~10% at Kimi's width, issue 15)
-            event = torch.cuda.Event(blocking=True)
-            event.record(self.copy_stream)
-        return host, event
+        for k, v in out.items():
+            host[k] = buf[offset: offset + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
+            offset += sizes[k]
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.input_device))  # this batch's states are complete
+        self.held = (out, host, ready, DeferredCopy())
+        return dict(host), self.held[3]  # the caller pops "bad" from its copy
+
+    def flush(self):
+        """Queue the held batch's device-to-host copy. Writers waiting on it are released even if this fails."""
+        held, self.held = self.held, None
+        if held is None:
+            return
+        torch = self.torch
+        out, host, ready, copy = held
+        try:
+            self.copy_stream.wait_event(ready)
+            # inference mode: the host views were made in forward()'s, and a caller may flush outside it
+            with torch.inference_mode(), torch.cuda.stream(self.copy_stream):
+                for k, v in out.items():
+                    v.record_stream(self.copy_stream)  # keep the device memory until the copy is done
+                    host[k].copy_(v, non_blocking=True)
+                # blocking: a writer thread waiting on it sleeps instead of spinning in the driver (4-8 spinning
+                # writers slowed the main thread's kernel launches by ~10% at Kimi's width, issue 15)
+                copy.event = torch.cuda.Event(blocking=True)
+                copy.event.record(self.copy_stream)
+        finally:
+            copy.queued.set()
 
     def recover(self):
+        self.flush()
         self.captured.clear()
         if self.torch.cuda.is_available():
             self.torch.cuda.empty_cache()
@@ -163,3 +189,21 @@ class VLLMBackend:
 
     def recover(self):
         pass
+
+    def flush(self):
+        pass
+
+
+class DeferredCopy:
+    """A device-to-host copy queued by a later call (HFBackend.flush): synchronize() waits until it is queued, then
+    until it is complete. Raises if queuing it failed."""
+    __slots__ = ("queued", "event")
+
+    def __init__(self):
+        self.queued, self.event = threading.Event(), None
+
+    def synchronize(self):
+        self.queued.wait()
+        if self.event is None:
+            raise RuntimeError("the device-to-host copy of this batch was never queued (an error in the run)")
+        self.event.synchronize()

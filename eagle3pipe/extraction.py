@@ -268,6 +268,7 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
             if stop:
                 break
             if faults.armed("between"):
+                backend.flush()
                 writer.q.join()  # a kill "between batches": after the previous batch's files are all written
                 faults.kill_point("between")
             try:
@@ -277,6 +278,7 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
                     raise
                 log.warning("the batch in flight was dropped (the engine stopped too); its rows will be redone")
                 break
+        backend.flush()  # the last batch's host copy
         writer.close()
     except OSError as e:
         if e.errno != errno.ENOSPC:
@@ -289,6 +291,10 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
                          f"samples left, about {need / 1e9:.2f} GB more needed; free space and rerun the same "
                          f"command (the {len(written):,} files written are kept)")
     finally:
+        try:
+            backend.flush()  # after an error: writers waiting on a held copy must not wait forever
+        except Exception:
+            pass  # the writers get "never queued"; the first exception is the one raised
         writer.close(raise_error=False)  # after an error: stop the threads, keep the first exception
         for sig, handler in old.items():
             signal.signal(sig, handler)

@@ -91,6 +91,7 @@ class Engine:
 
     def _run(self, batch):
         pending = self.backend.forward([(k, ids) for k, (ids, _) in enumerate(batch)])
+        self.backend.flush()  # these requests are answered now, not when the next ones arrive
         for k, (ids, fut) in enumerate(batch):
             path = os.path.join(self.spool, f"hs-{os.getpid()}-{next(self.names)}.safetensors")
             self.writers.submit(self._write, pending[k], ids, path, fut)
