@@ -2,7 +2,8 @@
 slice: a 4-layer DeepSeek-V3 at Kimi's width measured 0.79x). The same batches, in one process, through:
 
   bare          AutoModel with no hooks
-  forward       HFBackend.forward (hooks, stack, finiteness check, pinned copy on a side stream), nothing written
+  forward       HFBackend.forward (hooks, stack, finiteness check, pinned copy on a side stream queued after the
+                next batch's model call), nothing written
   writers:D:N[:V]  + the real Writer with N threads writing to D: `disk` (--work, as stage 02 runs) or `shm`
                 (/dev/shm: no disk, no writeback); V: `noop` (the file write skipped: the queue, the event waits, the
                 checks), `nocrc` (the CRC skipped), `oldsave` (the save before issue 15's change), `fp8` (storage),
@@ -14,9 +15,11 @@ slice: a 4-layer DeepSeek-V3 at Kimi's width measured 0.79x). The same batches, 
 
 Each mode runs every batch twice, both timed (the first pass of the process's first mode meets every batch shape
 for the first time, as stage 02 does); then 10 middle batches under torch.profiler: the GPU's
-kernel time against the wall time (idle GPU = the host is the limit), device-to-host copy time, host-side calls.
+kernel time against the wall time (idle GPU = the host is the limit), device-to-host copy time, host-side calls,
+the attention kernel, and each idle gap over 0.1 ms charged to the host call running at its middle. --check first
+compares 6 batches' host tensors, copies queued late (the default) against at once: they must be identical.
 
-    python bench/diag_extract_gpu.py --assets .gpu --work /tmp/d [--layers 4] [--modes bare,forward,...] [--sdpa nocudnn]
+    python bench/diag_extract_gpu.py --assets .gpu --work /tmp/d [--layers 4] [--modes bare,forward,...] [--sdpa nocudnn] [--check]
 """
 import argparse
 import json
