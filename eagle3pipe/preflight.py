@@ -5,7 +5,8 @@ Memory model (an estimate, deliberately on the safe side):
   weights       = the checkpoint index's total_size, else the bytes of its *.safetensors / *.bin files (split over
                   --tp-size GPUs; an INT4 checkpoint counts what it really holds)
   per token     = KV cache (2 * layers * kv_heads * head_dim * 2 bytes; MLA: layers * (latent + rope) * 2 bytes)
-                + captured states ((L+1) * hidden * 2 bytes)
+                + captured states (2 * (L+1) * hidden * 2 bytes: this batch's, and the HF backend's previous batch
+                  held on the GPU until its copy to host is queued)
                 + working activations (~ (4 * hidden + 2 * intermediate) * 4 bytes, one layer at a time; for a
                   mixture of experts, intermediate = the top-k routed plus shared experts' widths if larger)
   worst batch   = --batch-size * --max-seq-len tokens (or --max-tokens-per-batch when given)
@@ -93,7 +94,7 @@ def per_token_bytes(cfg, n_states):
     experts = (cfg.get("num_experts_per_tok") or 0) + (cfg.get("n_shared_experts") or 0)
     inter = max(inter, experts * (cfg.get("moe_intermediate_size") or 0))
     act = (4 * hidden + 2 * inter) * 4
-    return kv + n_states * hidden * 2 + act
+    return kv + 2 * n_states * hidden * 2 + act
 
 
 def read_rows(path):

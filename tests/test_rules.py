@@ -236,7 +236,7 @@ def test_memory_model_for_mla_and_moe_and_int4_weights(tmp_path):
     kimi = {"num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 64, "kv_lora_rank": 512,
             "qk_rope_head_dim": 64, "intermediate_size": 18432, "moe_intermediate_size": 2048,
             "num_experts_per_tok": 8, "n_shared_experts": 1}
-    kv, states = 61 * (512 + 64) * 2, 4 * 7168 * 2  # the MLA latent per layer, not heads x head_dim x 2
+    kv, states = 61 * (512 + 64) * 2, 2 * 4 * 7168 * 2  # this batch's and the held one's; the MLA latent per layer, not heads x head_dim x 2
     assert per_token_bytes(kimi, 4) == kv + states + (4 * 7168 + 2 * 18432) * 4
     kimi["num_experts_per_tok"] = 12  # routed + shared widths beyond the dense MLP's count instead
     assert per_token_bytes(kimi, 4) == kv + states + (4 * 7168 + 2 * 13 * 2048) * 4
