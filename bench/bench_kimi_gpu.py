@@ -118,11 +118,11 @@ def main():
         r["tokens"] = tokens = sum(map(len, rows))
         ids = ["--layer-ids", "1,2,3"] if n < 7 else []  # the default [2, n//2, n-3] collides below 7 layers
         per_batch, batches = [], make_batches(range(len(rows)), [len(x) for x in rows], a.batch_size)
-        # a first full pass untimed: every batch shape's kernels are tuned and cached on disk, as they are for the
-        # stage 02 runs that follow it (a cold bare pass measured 0.6x of a warm one here)
         # a fresh process's single pass, as stage 02 runs: every batch shape met for the first time
         if not a.no_cold:
             r["bare_cold_tok_s"], r["bare_cold_steady_tok_s"] = cold_bare(model, prep, a.batch_size)
+        # the reference: a first full pass untimed (every batch shape's per-shape setup done: cuDNN's attention
+        # plans, 0.30-0.37x of warm when cold), then the timed one
         bare_forward(model, rows, batches)
         bare = tokens / bare_forward(model, rows, batches, per_batch)
         r["bare_forward_tok_s"], r["bare_steady_tok_s"] = round(bare, 1), round(bare_steady(per_batch), 1)

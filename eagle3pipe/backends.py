@@ -69,8 +69,9 @@ class HFBackend:
         """-> {row: Pending}. Nothing here waits for the GPU: the states are stacked, checked for non-finite values
         (and quantized for fp8) on the device, copied into a pinned host buffer on a side stream once the next
         batch's model call has returned (or at flush()), and the writer threads wait for that copy, so the next
-        batch's forward runs while this one's files are written. The buffer is requested at one size (the largest batch's, which comes first), so the pinned-memory
-        cache hands back a freed one instead of pinning new memory for every batch."""
+        batch's forward runs while this one's files are written. The buffer is requested at one size (the largest
+        batch's, which comes first), so the pinned-memory cache hands back a freed one instead of pinning new memory
+        for every batch."""
         from .extraction import Pending
         from .hidden_states import SCALES, quantize_fp8
         torch = self.torch
@@ -121,8 +122,9 @@ class HFBackend:
             offset += sizes[k]
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.input_device))  # this batch's states are complete
-        self.held = (out, host, ready, DeferredCopy())
-        return dict(host), self.held[3]  # the caller pops "bad" from its copy
+        copy = DeferredCopy()
+        self.held = (out, host, ready, copy)
+        return dict(host), copy  # the caller pops "bad" from its own dict
 
     def flush(self):
         """Queue the held batch's device-to-host copy. Writers waiting on it are released even if this fails."""
