@@ -26,7 +26,7 @@ import random
 from eagle3pipe import cli, conversations, files, outdir, regenerate, verifier
 
 OWNED = outdir.Owned(["tokenized_data.jsonl", "token_freq.npy", files.MANIFEST, "regenerated.jsonl",
-                      ".regenerating.jsonl"])
+                      ".regenerating.jsonl", regenerate.ENGINE_LOG])
 
 
 def parse_args(argv=None):
@@ -46,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--regen-max-tokens", type=int, default=1024, help="longest regenerated turn, in tokens")
     p.add_argument("--regen-batch-size", type=int, default=64,
                    help="prompts per vLLM call; answers are saved after each call (what a killed run keeps)")
+    cli.add_dtype_flag(p, "the verifier (with --regenerate)")
     p.add_argument("--regen-tp-size", type=int, default=1, help="tensor-parallel GPUs for --regenerate")
     return cli.parse_args(p, "prepare", argv, required=["model_path"])
 

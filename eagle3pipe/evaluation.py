@@ -139,18 +139,19 @@ def explain(diffs, n):
     return line + "; " + "; ".join(parts)
 
 
-def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, draft=None, k=3, max_model_len=4096,
-               on_gpu=False, tp=1, trust_remote_code=False, reference=None):
+def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, *, dtype, log_path, draft=None, k=3,
+               max_model_len=4096, on_gpu=False, tp=1, trust_remote_code=False, reference=None):
     """Greedy generation at each batch size (prompts submitted b at a time) -> {b: figures}. With `reference` (the
-    batch-1 outputs without the draft), results[1]["divergences"] explains each output that differs."""
-    from vllm import SamplingParams
+    batch-1 outputs without the draft), results[1]["divergences"] explains each output that differs. `dtype`: the
+    compute dtype of verifier and draft (compute.py); `log_path`: the engine's output."""
     from .engine import make_llm
     kw = {}
     if draft:
         kw["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
     llm = make_llm(model_path, tp=tp, max_model_len=max_model_len, on_gpu=on_gpu, trust_remote_code=trust_remote_code,
-                   dtype="auto", enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=max(batch_sizes),
+                   dtype=dtype, log_path=log_path, enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=max(batch_sizes),
                    **kw)
+    from vllm import SamplingParams  # after make_llm: importing vLLM prints, and the engine's log takes it
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=False)
     results = {}
     for b in batch_sizes:

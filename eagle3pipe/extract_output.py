@@ -13,11 +13,17 @@ SHARD_REPORT = ".shard-{}-of-{}.json"  # one per replica, written when it finish
 INCOMING = ".incoming"  # vLLM's connector writes here (a sub-folder per process); our writer renames into place
 
 
+def engine_log(shard=None):
+    """The vLLM engine's log in the output folder: one per declared replica, so replicas never share one."""
+    return f"engine.shard-{shard[0]}-of-{shard[1]}.log" if shard else "engine.log"
+
+
 def owned(rows, shard=None):
     """Every name stage 02 may write in its folder, exactly: hs_0 .. hs_{rows-1}, the manifest, the run record, the
     engine's staging folder and, for N declared replicas, the N shard reports."""
     reports = [SHARD_REPORT.format(k, shard[1]) for k in range(shard[1])] if shard else []
-    return outdir.Owned([files.MANIFEST, files.RUN_FILE, INCOMING, *reports], {HS_NAME: rows})
+    logs = [engine_log((k, shard[1])) for k in range(shard[1])] if shard else [engine_log()]
+    return outdir.Owned([files.MANIFEST, files.RUN_FILE, INCOMING, *reports, *logs], {HS_NAME: rows})
 
 
 def read_rows(jsonl, expected, vocab_size):
@@ -108,7 +114,7 @@ def finish(args, plan, identity, rows, failed, stats):
     files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
         "extract", args, identity=identity, content_id=files.content_id(identity), verifier=plan.verifier,
         layer_ids=plan.layer_ids, layer_id_convention=verifier.LAYER_ID_CONVENTION, storage_dtype=args.storage_dtype,
-        prepared_data=os.path.abspath(plan.jsonl),
+        compute_dtype=plan.compute.dtype, compute_dtype_reason=plan.compute.reason, prepared_data=os.path.abspath(plan.jsonl),
         counts={"rows": len(rows), "ok": ok, "failed": len(failed), "resumed": stats["resumed"],
                 "extracted": ok - stats["resumed"], "tokens_extracted": tokens, "bytes": bytes_written,
                 "shards": stats.get("shards", 1)},

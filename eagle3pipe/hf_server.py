@@ -35,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-tokens-per-batch", type=int, default=32768)
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="what the model computes in (stage 04 passes its resolved --dtype); files are bf16 either way")
     return p.parse_args(argv)
 
 
@@ -162,12 +164,12 @@ def main(argv=None):
     layer_ids = [int(x) for x in args.layer_ids.split(",")]
     os.makedirs(args.spool, exist_ok=True)
     t0 = time.time()
-    backend = HFBackend(args.model_path, layer_ids, args.trust_remote_code)
+    backend = HFBackend(args.model_path, layer_ids, args.trust_remote_code, dtype=args.dtype)
     engine = Engine(backend, args.spool, args.batch_size, args.max_tokens_per_batch)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, args.model_path))
     server.daemon_threads = True
-    log.info(f"HF extraction engine: {args.model_path} on {backend.input_device}, layer ids {layer_ids}, loaded in "
-             f"{time.time() - t0:.0f} s; serving http://{args.host}:{args.port}/v1")
+    log.info(f"HF extraction engine: {args.model_path} on {backend.input_device} ({args.dtype}), layer ids {layer_ids}, "
+             f"loaded in {time.time() - t0:.0f} s; serving http://{args.host}:{args.port}/v1")
     server.serve_forever()
 
 

@@ -122,6 +122,10 @@ def check_header(path, n_tokens, n_states, hidden):
         return f"missing tensors (has {sorted(k for k in header if k != '__metadata__')})"
     if hs.get("shape") != [n_tokens, n_states, hidden] or tid.get("shape") != [n_tokens]:
         return f"hidden_states shape {hs.get('shape')}, expected {[n_tokens, n_states, hidden]}"
+    if hs.get("dtype") not in ("BF16", "F8_E4M3") or tid.get("dtype") != "I64":
+        # the format whatever the compute dtype: a float32 engine's states are rounded to bf16 before they are written
+        return f"hidden_states stored as {hs.get('dtype')} / token_ids as {tid.get('dtype')}, expected BF16 (or " \
+               f"F8_E4M3) / I64"
     if hs.get("dtype") == "F8_E4M3" and not isinstance(header.get(SCALES), dict):
         return f"fp8 hidden_states without {SCALES}"
     end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")

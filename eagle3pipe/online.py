@@ -32,6 +32,7 @@ import time
 import urllib.request
 from typing import Optional
 
+from . import compute
 from .cli import RunError, UsageError
 from .outdir import TMP
 
@@ -142,6 +143,7 @@ class Plan:
     memory: float                # vLLM's gpu_memory_utilization
     max_len: int                 # the engine's max model length: the longest row plus the one generated token
     cache_bytes: int
+    dtype: Optional[str] = None  # what the engine computes in (compute.py); None: an engine already running
 
     @property
     def n_states(self):
@@ -166,11 +168,16 @@ def plan(s, fp, text_cfg, longest):
     gpus = visible_gpus()
     engine_gpus, trainer_gpus = split_gpus(s.engine_gpus, len(gpus))
     shared = bool(engine_gpus) and set(engine_gpus) == set(trainer_gpus)
-    memory = check_engine(s, text_cfg, weights_bytes(s.model_path), gpus, engine_gpus, shared)
+    dtype = compute.resolve(s.dtype, bool(gpus))
+    if s.backend == "vllm" and gpus and dtype.dtype == "float32":
+        raise UsageError("--dtype float32: vLLM's hidden-states connector on GPU stores states in the compute dtype, "
+                         "and the trainer reads bf16; use --dtype auto (bf16 on GPUs) or --backend hf")
+    memory = check_engine(s, text_cfg, compute.loaded_weights_bytes(weights_bytes(s.model_path), fp.get("torch_dtype"),
+                          dtype.dtype, bool(gpus)), gpus, engine_gpus, shared)
     port = free_port("--engine-port", s.engine_port)
     return Plan(address=None, port=port, engine_cvd=physical(engine_gpus) if gpus else None,
                 trainer_cvd=physical(trainer_gpus) if gpus and not shared else None,
-                tp=max(1, len(engine_gpus)) if s.backend == "vllm" else 1, memory=memory, **common)
+                tp=max(1, len(engine_gpus)) if s.backend == "vllm" else 1, memory=memory, dtype=dtype.dtype, **common)
 
 
 def describe(p, backend):
@@ -178,7 +185,8 @@ def describe(p, backend):
         return f"extraction engine at {p.address}"
     where = f"GPU(s) {p.engine_cvd}" if p.on_gpu else "CPU"
     train = f"; training on GPU(s) {p.trainer_cvd}" if p.trainer_cvd else (" (shared with training)" if p.on_gpu else "")
-    return f"extraction engine: {backend} on {where}{train}, TP {p.tp}, port {p.port}, layer ids {p.layer_ids}"
+    return (f"extraction engine: {backend} on {where}{train}, TP {p.tp}, {p.dtype}, port {p.port}, layer ids "
+            f"{p.layer_ids}")
 
 
 # ---------------------------------------------------------------- the engine process
@@ -206,21 +214,21 @@ def _start(s, p, out):
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
         cpu_vllm_env(env)
-    cmd = engine_command(s, p.layer_ids, spool, p.port, p.max_len, p.tp, p.memory, p.on_gpu)
+    cmd = engine_command(s, p.layer_ids, spool, p.port, p.max_len, p.tp, p.memory, p.on_gpu, p.dtype)
     engine = Engine.start(cmd, env, os.path.join(out, ENGINE_LOG), p.port)
     took = engine.wait_ready(s.engine_timeout)
     log.info(f"extraction engine ({s.backend}, pid {engine.proc.pid}) ready in {took:.0f} s at {engine.url}; its "
              f"log: {engine.log_path}")
     return engine
 
-def engine_command(s, layer_ids, spool, port, max_len, tp, memory, on_gpu):
+def engine_command(s, layer_ids, spool, port, max_len, tp, memory, on_gpu, dtype):
     if s.backend == "hf":
         cmd = [sys.executable, "-m", "eagle3pipe.hf_server", "--model-path", s.model_path, "--layer-ids",
-               ",".join(map(str, layer_ids)), "--spool", spool, "--port", str(port)]
+               ",".join(map(str, layer_ids)), "--spool", spool, "--port", str(port), "--dtype", dtype]
         return cmd + (["--trust-remote-code"] if s.trust_remote_code else [])
     from .engine import connector_config, server_module
     cmd = [sys.executable, "-m", server_module(), "--model", s.model_path, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "bfloat16", "--max-model-len", str(max_len), "--no-enable-prefix-caching",
+           "--dtype", dtype, "--max-model-len", str(max_len), "--no-enable-prefix-caching",
            "--tensor-parallel-size", str(tp), "--gpu-memory-utilization", str(memory),
            "--speculative-config", json.dumps({"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                                "draft_model_config": {"hf_config": {

@@ -3,10 +3,11 @@ without importing torch or vLLM. It returns the plan `--dry-run` prints.
 
 Memory model (an estimate, deliberately on the safe side):
   weights       = the checkpoint index's total_size, else the bytes of its *.safetensors / *.bin files (split over
-                  --tp-size GPUs; an INT4 checkpoint counts what it really holds)
-  per token     = KV cache (2 * layers * kv_heads * head_dim * 2 bytes; MLA: layers * (latent + rope) * 2 bytes)
-                + captured states (2 * (L+1) * hidden * 2 bytes: this batch's, and the HF backend's previous batch
-                  held on the GPU until its copy to host is queued)
+                  --tp-size GPUs; an INT4 checkpoint counts what it really holds); on a CPU computing in float32,
+                  a bf16 checkpoint counts twice
+  per token     = KV cache (2 * layers * kv_heads * head_dim * b bytes; MLA: layers * (latent + rope) * b bytes)
+                + captured states (2 * (L+1) * hidden * b bytes: this batch's, and the HF backend's previous batch
+                  held on the GPU until its copy to host is queued); b = 2 in bf16, 4 in float32
                 + working activations (~ (4 * hidden + 2 * intermediate) * 4 bytes, one layer at a time; for a
                   mixture of experts, intermediate = the top-k routed plus shared experts' widths if larger)
   worst batch   = --batch-size * --max-seq-len tokens (or --max-tokens-per-batch when given)
@@ -19,6 +20,7 @@ import os
 import shutil
 from typing import Optional
 
+from . import compute
 from .cli import UsageError
 from .engine import visible_gpus
 
@@ -43,6 +45,7 @@ class Plan:
     memory_available_bytes: int
     gpus: int
     device: str
+    compute: compute.Compute    # the dtype the verifier computes in, and why
     warning: Optional[str]
 
     @property
@@ -80,21 +83,21 @@ def weights_bytes(model_path):
     return sum(os.path.getsize(f) for f in files)
 
 
-def per_token_bytes(cfg, n_states):
+def per_token_bytes(cfg, n_states, value_bytes=2):
     layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
     heads = cfg.get("num_attention_heads") or 1
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
     if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V3 / Kimi): one compressed latent per layer
-        kv = layers * (cfg["kv_lora_rank"] + cfg.get("qk_rope_head_dim", 64)) * 2
+        kv = layers * (cfg["kv_lora_rank"] + cfg.get("qk_rope_head_dim", 64)) * value_bytes
     else:
-        kv = 2 * layers * kv_heads * head_dim * 2
+        kv = 2 * layers * kv_heads * head_dim * value_bytes
     inter = cfg.get("intermediate_size") or 4 * hidden
     # MoE (DeepSeek-V3, Kimi): each token's top-k routed experts, plus the shared ones, are live at once
     experts = (cfg.get("num_experts_per_tok") or 0) + (cfg.get("n_shared_experts") or 0)
     inter = max(inter, experts * (cfg.get("moe_intermediate_size") or 0))
     act = (4 * hidden + 2 * inter) * 4
-    return kv + 2 * n_states * hidden * 2 + act
+    return kv + 2 * n_states * hidden * value_bytes + act
 
 
 def read_rows(path):
@@ -116,9 +119,10 @@ def read_rows(path):
     return lengths, max_id
 
 
-def check_memory(args, cfg, n_states, weights, gpus, rows, longest, note=""):
-    """(available bytes, bytes per token, worst-case tokens); refuses a batch that cannot fit."""
-    per_tok = per_token_bytes(cfg, n_states)
+def check_memory(args, cfg, n_states, weights, gpus, rows, longest, note="", value_bytes=2):
+    """(available bytes, bytes per token, worst-case tokens); refuses a batch that cannot fit. `weights`: as loaded
+    (a bf16 checkpoint computed in float32 on a CPU takes twice its size)."""
+    per_tok = per_token_bytes(cfg, n_states, value_bytes)
     worst = min(args.batch_size, rows) * longest
     if args.max_tokens_per_batch:
         worst = min(worst, args.max_tokens_per_batch)
@@ -201,6 +205,10 @@ def plan(args):
         if not gpus and args.tp_size > 1:
             raise UsageError(f"--tp-size {args.tp_size}: no GPU visible; on CPU use --tp-size 1")
     rows = counts["rows"]
+    dtype = compute.resolve(args.dtype, bool(gpus))
+    if args.backend == "vllm" and gpus and dtype.dtype == "float32":
+        raise UsageError("--dtype float32: vLLM's hidden-states connector on GPU stores states in the compute dtype, "
+                         "and stage 02's files are bf16; use --dtype auto (bf16 on GPUs) or --backend hf")
     if args.backend == "hf" and args.tp_size > 1:
         raise UsageError(f"--tp-size {args.tp_size}: the hf backend has no tensor parallelism (it places whole layers "
                          f"on the visible GPUs, one GPU at a time); use --backend vllm, or drop --tp-size and choose "
@@ -224,21 +232,23 @@ def plan(args):
     if disk_need - have > free:
         raise UsageError(f"--output-dir {args.output_dir}: needs about {(disk_need - have) / 1e9:.2f} GB more, "
                          f"{free / 1e9:.2f} GB free")
-    weights = weights_bytes(args.model_path)
+    weights = compute.loaded_weights_bytes(weights_bytes(args.model_path), fp.get("torch_dtype"), dtype.dtype, bool(gpus))
     note = f" ({log_warn.split(': ', 1)[1]})" if log_warn and args.batch_size > rows else ""
-    avail, per_tok, worst = check_memory(args, tc, n_states, weights, gpus, rows, counts["max_row_tokens"], note)
+    avail, per_tok, worst = check_memory(args, tc, n_states, weights, gpus, rows, counts["max_row_tokens"], note,
+                                         compute.value_bytes(dtype.dtype))
     batches = -(-rows // args.batch_size)
     return Plan(jsonl=jsonl, prepared_manifest=prep, verifier=fp, layer_ids=layer_ids, hidden_size=fp["hidden_size"],
                 rows=rows, tokens=counts["tokens"], batches_at_most=batches, disk_bytes=disk_need,
                 disk_per_token=disk_per_token, disk_free_bytes=free, weights_bytes=weights, bytes_per_token=per_tok,
                 worst_batch_tokens=worst, memory_available_bytes=avail, gpus=len(gpus),
-                device=f"{len(gpus)} GPU(s): {gpus[0][0]}" if gpus else "CPU", warning=log_warn)
+                device=f"{len(gpus)} GPU(s): {gpus[0][0]}" if gpus else "CPU", compute=dtype, warning=log_warn)
 
 
 def format_plan(p):
     gib = 2**30
     return "\n".join([
         f"plan: {p.rows:,} samples, {p.tokens:,} tokens, up to {p.batches_at_most:,} batches",
+        f"  {p.compute.describe()}",
         f"  layer ids: {p.layer_ids} (auxiliary, then id {p.layer_ids[-1]} = last layer before the final norm)",
         f"  disk: {p.disk_bytes / 1e9:.2f} GB to write ({p.disk_per_token:,} B/token), {p.disk_free_bytes / 1e9:.1f} GB free",
         f"  memory: weights {(p.weights_bytes or 0) / gib:.2f} GiB; worst batch {p.worst_batch_tokens:,} tokens x "

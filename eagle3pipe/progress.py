@@ -1,5 +1,6 @@
 """Progress: a tqdm bar (samples, tok/s, ETA) on a terminal; a plain log line every `every` seconds when
-stderr is not a terminal (nohup logs read with `tail -f`)."""
+stderr is not a terminal (nohup logs read with `tail -f`). Either way, once the first batches have run (15 s, or 5 % of
+the tokens), one line estimates the whole run from the rate measured so far."""
 import logging
 import sys
 import time
@@ -12,6 +13,10 @@ def _fmt_eta(seconds):
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def _fmt_minutes(seconds):
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{max(1, round(seconds / 60))} min"
+
+
 class Progress:
     def __init__(self, total, desc, unit="samples", every=30.0, initial=0, total_tokens=None):
         """`total_tokens` (when known) makes the ETA token-based: samples vary a lot in length."""
@@ -19,6 +24,7 @@ class Progress:
         self.n = initial
         self.tokens = 0
         self.start = self.last = time.time()
+        self.estimated, self.first = False, None
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -30,6 +36,12 @@ class Progress:
     def update(self, n=1, tokens=0):
         self.n += n
         self.tokens += tokens
+        if self.first is None:  # the rate is measured from the end of the first batch, which also warms up
+            self.first = (time.time(), self.tokens)
+        elif not self.estimated and self.total_tokens and (time.time() - self.first[0] >= 15 or (
+                time.time() - self.first[0] >= 5 and self.tokens - self.first[1] >= 0.05 * self.total_tokens)):
+            self.estimated = True
+            self.estimate()
         if self.bar is not None:
             self.bar.update(n)
             self.bar.set_postfix_str(f"{self.rate():,.0f} tok/s", refresh=False)
@@ -46,6 +58,19 @@ class Progress:
         pct = 100.0 * self.n / max(self.total, 1)
         log.info(f"{self.desc}: {self.n}/{self.total} {self.unit} ({pct:.1f}%) {self.rate():,.0f} tok/s "
                  f"elapsed {_fmt_eta(elapsed)} ETA {_fmt_eta(eta)}")
+
+    def estimate(self):
+        """One line: the rate of the first batches and what it means for the whole run."""
+        t, tokens = self.first
+        rate = (self.tokens - tokens) / max(time.time() - t, 1e-9)
+        left = (self.total_tokens - self.tokens) / max(rate, 1e-9)
+        finish = time.strftime("%H:%M", time.localtime(time.time() + left))
+        msg = (f"{self.desc}: estimate at {rate:,.0f} tok/s (measured after the first batch): the remaining "
+               f"{self.total_tokens - self.tokens:,} tokens take about {_fmt_minutes(left)} (done near {finish})")
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            log.info(msg)
 
     def close(self):
         if self.bar is not None:

@@ -13,9 +13,10 @@ import json
 import logging
 import os
 
-from . import engine, faults
+from . import compute, engine, faults
 
 log = logging.getLogger("eagle3")
+ENGINE_LOG = "engine.log"  # in stage 01's output folder: what the vLLM engine prints
 
 
 def cache_path(out):
@@ -62,6 +63,11 @@ def run(records, tok, args, out):
     counts = {"turns_regenerated": 0, "turns_from_cache": 0, "conversations_cut": 0, "opening_turns_dropped": lead}
     llm, turn = None, 0
     on_gpu = bool(engine.visible_gpus())
+    dtype = compute.resolve(args.dtype, on_gpu)
+    counts["compute_dtype"] = dtype.dtype
+    log.info(dtype.describe())
+    if dtype.warning:
+        log.warning(dtype.warning)
     while True:
         todo, active = [], False  # (conversation, message index, prompt ids) of each turn-th assistant message
         for j, msgs in enumerate(convs):
@@ -83,10 +89,11 @@ def run(records, tok, args, out):
         if not active:
             break
         if todo:
-            from vllm import SamplingParams
             llm = llm or engine.make_llm(args.model_path, tp=args.regen_tp_size, max_model_len=args.max_seq_len,
                                          on_gpu=on_gpu, trust_remote_code=args.trust_remote_code, seed=args.seed,
-                                         max_num_seqs=args.regen_batch_size)
+                                         max_num_seqs=args.regen_batch_size, dtype=dtype.dtype,
+                                         log_path=os.path.join(out, ENGINE_LOG))
+            from vllm import SamplingParams  # after make_llm: importing vLLM prints, and the engine's log takes it
             log.info(f"regenerating assistant turn {turn + 1} of {len(todo)} conversations")
             for start in range(0, len(todo), args.regen_batch_size):
                 chunk = todo[start:start + args.regen_batch_size]

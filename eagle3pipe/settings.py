@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .cli import UsageError
+from .compute import CHOICES as DTYPES
 
 STAGES = ("prepare", "extract", "vocab", "train", "evaluate")
 # the config key that names a stage's output folder (it is also the later stages' input flag)
@@ -118,6 +119,7 @@ class Prepare(Record):
     regen_max_tokens: int = rule(ge=1)
     regen_batch_size: int = rule(ge=1)
     regen_tp_size: int = rule(ge=1)
+    dtype: str = rule(choices=DTYPES)
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class Extract(Record):
     layer_ids: Optional[list[int]] = rule(ge=0)
     storage_dtype: str = rule(choices=("bf16", "fp8"))
     writer_threads: Optional[int] = rule(ge=1, le=64)
+    dtype: str = rule(choices=DTYPES)
     trust_remote_code: bool = rule()
     shard: Optional[tuple[int, ...]] = rule()
     verify: bool = rule()
@@ -179,6 +182,7 @@ class Train(Record):
     num_workers: Optional[int] = rule(ge=0)
     fsdp: bool = rule()
     loss_implementation: str = rule(choices=("auto", "fused", "eager"))
+    dtype: str = rule(choices=DTYPES)
     seed: int = rule()
     trust_remote_code: bool = rule()
     overwrite: bool = rule()
@@ -226,6 +230,7 @@ class Evaluate(Record):
     tp_size: int = rule(ge=1)
     output_dir: str = rule(path=True)
     trust_remote_code: bool = rule()
+    dtype: str = rule(choices=DTYPES)
 
     def check(self):
         if not self.batch_sizes:

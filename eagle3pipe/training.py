@@ -185,6 +185,7 @@ class DenseLog(logging.Handler):
     def __init__(self, every, total_steps=None, jsonl=None):
         super().__init__()
         self.every, self.total, self.t0, self.step0, self.tokens = every, total_steps, None, None, 0
+        self.estimated = False
         self.fetch_ms = self.step_ms = 0.0  # the time the step waited for its batch, summed over the logged steps
         self.jsonl = jsonl  # every metric record, one JSON line each: stage 05 plots the training curves
 
@@ -203,12 +204,18 @@ class DenseLog(logging.Handler):
         m, prof = msg["train"], msg.get("profile") or {}
         self.fetch_ms += prof.get("fetch_ms", 0.0)
         self.step_ms += prof.get("step_ms", 0.0)
+        done = step - self.step0
+        if done >= 4 and not self.estimated and self.total and self.total > step:  # timed after the first step
+            self.estimated, rate = True, (time.time() - self.t0) / (done - 1)
+            left = rate * (self.total - step)
+            finish = time.strftime('%H:%M', time.localtime(time.time() + left))
+            log.info(f"estimate from steps 2-{done} at {rate:.2f} s/step: the remaining {self.total - step} steps take "
+                     f"about {max(1, round(left / 60))} min (done near {finish}), plus validation and checkpoints")
         if step % self.every and step != self.total:
             return
         acc = " ".join(f"{m[k]:.2f}" for k in sorted(k for k in m if "acc" in k and "full" in k)) or \
             " ".join(f"{m[k]:.2f}" for k in sorted(k for k in m if "acc" in k))
-        done = step - self.step0
-        rate = (time.time() - self.t0) / max(done, 1)
+        rate = (time.time() - self.t0) / max(done - 1, 1)
         eta = f" ETA {int(rate * (self.total - step)) // 60}m{int(rate * (self.total - step)) % 60:02d}s" \
             if self.total else ""
         lr = msg.get("lr")
@@ -309,7 +316,10 @@ def prepare_output(args, identity, inputs, rank):
     return out
 
 
-def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16", engine_url=None):
+def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16", engine_url=None, dtype="bfloat16"):
+    """speculators' TrainConfig. `dtype` (compute.py) is its hidden_states_dtype: the loader's states and autocast.
+    float32 turns autocast off (it knows only bf16/fp16) and the draft, whose master weights speculators keeps in
+    float32 anyway, computes in float32; the checkpoint is saved bf16 either way."""
     from speculators.train.config import TrainConfig
     # GPU: up to 12 workers per rank (speculators' default) but no more than the cores each rank has: reading
     # per-sample files is most of a step's input cost. CPU: none, the training step already uses every core.
@@ -329,7 +339,7 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16
         "max_steps": args.max_steps, "scheduler_warmup_steps": args.warmup_steps,
         "checkpoint_freq": args.checkpoint_freq, "log_freq": args.log_every, "save_path": os.path.abspath(args.output_dir),
         "log_dir": os.path.join(os.path.abspath(args.output_dir), "logs"), "seed": args.seed, "fsdp_shard": args.fsdp,
-        "logger": "",
+        "logger": "", "hidden_states_dtype": dtype,
     }
     if args.online:  # speculators' on-demand generation, through our transfer (online.py): cache first, then the engine
         from .online import BACKEND, CACHE
@@ -400,6 +410,8 @@ def run(cfg, args, on_cpu):
         apply_cpu_compat()
     import warnings
     warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
+    # float32 compute: autocast says it does not know float32 and turns itself off, which is the point
+    warnings.filterwarnings("ignore", message=".*autocast.*(not supported|only supports).*")
     logs = os.path.join(os.path.abspath(args.output_dir), "logs")
     os.makedirs(logs, exist_ok=True)
     dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"))

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# The main job on the embedded default, from a fresh machine: SmolLM2-135M-Instruct as the verifier and a few
-# hundred ShareGPT conversations through every stage, then the acceptance table.
-#   bash scripts/quickstart.sh                       # NUM_SAMPLES=300 EPOCHS=1
-#   NUM_SAMPLES=2000 EPOCHS=3 bash scripts/quickstart.sh
+# The main job on the embedded default, from a fresh machine: SmolLM2-135M-Instruct as the verifier and up to 300
+# ShareGPT conversations through every stage, then the acceptance table.
+#   bash scripts/quickstart.sh                       # up to 300 conversations, 1 epoch, fitted to ~25 minutes
+#   NUM_SAMPLES=2000 EPOCHS=3 bash scripts/quickstart.sh   # exactly these, however long they take
+# Before the run it measures this machine (one forward of the verifier, ~10 s) and prints what each stage will
+# take. On a slow CPU it trains on fewer conversations so the run fits BUDGET_MIN minutes (default 24, for stages
+# 02-05), and says so; NUM_SAMPLES fixes the number. Every stage computes in the dtype that is fast here (bf16
+# where the CPU has it natively, float32 elsewhere: eagle3pipe/compute.py). vLLM's own output goes to each stage
+# folder's engine.log.
 # Outputs under data/ (prepared, hidden_states, vocab_map_8192, checkpoints, eval); a rerun resumes or
 # replaces each stage's own folder.
 set -euo pipefail
@@ -10,14 +15,29 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=.venv/bin/python
 CFG=configs/smollm2-135m.yaml
+MODEL=data/models/smollm2-135m-instruct
 N=${NUM_SAMPLES:-300}
+EPOCHS=${EPOCHS:-1}
+PROMPTS=${NUM_PROMPTS:-8}
 start=$(date +%s)
 stamp() { echo "quickstart: $1 done at +$(( $(date +%s) - start )) s"; }
+echo "quickstart: $N ShareGPT conversations -> SmolLM2's chat template (01) -> its hidden states (02) -> a draft" \
+     "vocabulary (03) -> $EPOCHS epoch(s) of EAGLE-3 training (04) -> acceptance on $PROMPTS held-out prompts (05)"
+# a rerun keeps the earlier run's size (so stage 02 and 04 resume instead of refusing another run's folder)
+prev=$($PY -c 'import json; print(json.load(open("data/prepared/manifest.json"))["args"]["num_samples"])' 2>/dev/null || true)
+if [ -z "${NUM_SAMPLES:-}" ] && [ -n "$prev" ] && [ "$prev" != None ]; then N=$prev; fi
 $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";          stamp "01 prepare"
+budget=(); [ -z "${NUM_SAMPLES:-}" ] && [ -z "$prev" ] && budget=(--budget-min "${BUDGET_MIN:-24}")
+fit=$($PY -m eagle3pipe.estimate --model-path $MODEL --prepared-data data/prepared --samples "$N" \
+      --epochs "$EPOCHS" --num-prompts "$PROMPTS" --max-new-tokens 64 --batch-sizes 1,4 "${budget[@]}")
+if [ -n "$fit" ] && [ "$fit" -lt "$N" ]; then
+  N=$fit
+  $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";        stamp "01 prepare ($N conversations)"
+fi
 $PY 02_extract_hidden_states.py --config $CFG;                      stamp "02 extract"
 $PY 03_build_vocab_mapping.py --config $CFG;                         stamp "03 vocab map"
-$PY 04_train.py --config $CFG --epochs "${EPOCHS:-1}";               stamp "04 train"
-$PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "${NUM_PROMPTS:-8}" \
+$PY 04_train.py --config $CFG --epochs "$EPOCHS";                    stamp "04 train"
+$PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "$PROMPTS" \
     --max-new-tokens 64 --batch-sizes 1,4;                           stamp "05 evaluate"
 echo "quickstart: the draft is data/checkpoints/last; serve it with vLLM:"
 echo "  $($PY -c 'from eagle3pipe.engine import serve_command as s; print(s("data/models/smollm2-135m-instruct", "data/checkpoints/last", 3))')"

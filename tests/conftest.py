@@ -52,8 +52,10 @@ def stages(tmp_path_factory, model_path):
     d = {k: root / k for k in ("prepared", "hs", "vocab")}
     for argv in (["01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "24", "--max-seq-len", "512",
                   "--output-dir", str(d["prepared"])],
+                 # computed in float32 (auto's choice on a CPU without native bf16) and stored bf16: every stage 04
+                 # and 05 test reads a float32-computed folder, whatever this machine's auto would choose
                  ["02_extract_hidden_states.py", "--backend", "hf", "--model-path", model_path, "--prepared-data",
-                  str(d["prepared"]), "--output-dir", str(d["hs"]), "--max-seq-len", "512"],
+                  str(d["prepared"]), "--output-dir", str(d["hs"]), "--max-seq-len", "512", "--dtype", "float32"],
                  ["03_build_vocab_mapping.py", "--prepared-data", str(d["prepared"]), "--draft-vocab-size", "2048",
                   "--output-dir", str(d["vocab"])]):
         p, _ = run_script(*argv)

@@ -71,3 +71,7 @@ def test_report_for_a_trained_draft(model_path, stages, trained, tmp_path):
     assert rep["greedy_identical_at_batch_1"].endswith("/4")
     assert os.path.getsize(ev / "acceptance.png") > 10_000
     assert "accept len" in p.stdout and "greedy outputs identical" in p.stdout
+    from eagle3pipe import compute  # both engines computed in auto's dtype; what they printed is in engine.log
+    assert rep["compute_dtype"] == compute.resolve("auto", on_gpu=False).dtype
+    assert (ev / "engine.log").read_text().count("non-default args") == 2
+    assert "non-default args" not in p.stderr + p.stdout and "EngineCore" not in p.stderr + p.stdout

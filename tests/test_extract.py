@@ -100,10 +100,17 @@ def test_huge_batch_is_refused_or_explained(model_path, tmp_path):
 
 
 def test_dry_run_prints_the_plan_and_loads_nothing(prep, model_path, tmp_path):
+    from eagle3pipe import compute
     p, secs = extract(model_path, prep, tmp_path / "hs", "--dry-run")
     assert p.returncode == 0, p.stderr
     assert "layer ids: [2, 15, 27, 30]" in p.stdout and "disk:" in p.stdout and "memory:" in p.stdout
     assert secs < 3.0 and not (tmp_path / "hs").exists()
+    # the compute dtype and its reason, before anything loads: what auto picks on this machine, or what was asked
+    assert f"  {compute.resolve('auto', on_gpu=False).describe()}\n" in p.stdout
+    p, _ = extract(model_path, prep, tmp_path / "hs", "--dry-run", "--dtype", "float32")
+    assert p.returncode == 0 and "compute dtype: float32 (--dtype float32" in p.stdout
+    weights = [l for l in p.stdout.splitlines() if "memory: weights" in l][0]
+    assert "weights 0.50 GiB" in weights  # the bf16 checkpoint (0.25 GiB) counts twice in float32
 
 
 def test_hf_backend_files_and_speculators_reads_them(hf_out, prep):
@@ -125,7 +132,8 @@ def test_hf_backend_files_and_speculators_reads_them(hf_out, prep):
 def test_layer_ids_match_the_convention(hf_out, prep, model_path):
     """id k = input of layer k = HF output_hidden_states[k]; id n = last layer output before the final norm."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    dtype = json.load(open(hf_out / "manifest.json"))["compute_dtype"]  # the reference in the dtype stage 02 used
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
     ids = torch.tensor([rows_of(prep)[0]["input_ids"]])
     captured = {}
     model.model.layers[-1].register_forward_hook(lambda m, a, o: captured.setdefault("last", o[0] if isinstance(o, tuple) else o))
@@ -203,9 +211,19 @@ def test_injected_oom_splits_batches_and_nan_fails_one_row(prep, model_path, tmp
 
 @pytest.mark.e2e
 def test_vllm_backend_matches_hf(prep, hf_out, model_path, tmp_path):
+    """vLLM computing in float32 against the HF backend in auto's dtype (bf16 where it is native, float32 elsewhere):
+    the files agree within bf16 rounding either way, and are stored bf16. The engine's own output goes to its log."""
     out = tmp_path / "hs"
-    p, _ = extract(model_path, prep, out, "--backend", "vllm")
+    p, _ = extract(model_path, prep, out, "--backend", "vllm", "--dtype", "float32")
     assert p.returncode == 0, p.stderr[-3000:]
+    man = json.load(open(out / "manifest.json"))
+    assert man["compute_dtype"] == "float32" and man["storage_dtype"] == "bf16"
+    # what the operator reads is ours: vLLM's start-up logs, Triton notices and warnings are in engine.log
+    log = (out / "engine.log").read_text()
+    assert "non-default args" in log and "'dtype': 'float32'" in log
+    for noise in ("non-default args", "Triton", "EngineCore", "WARNING 1"):
+        assert noise not in p.stderr + p.stdout, (noise, p.stderr[-3000:])
+    assert f"its output goes to {out}/engine.log" in p.stderr
     for i, r in enumerate(rows_of(prep)):
         a, b = load_file(out / f"hs_{i}.safetensors"), load_file(hf_out / f"hs_{i}.safetensors")
         assert a["token_ids"].tolist() == r["input_ids"]

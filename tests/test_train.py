@@ -2,6 +2,7 @@
 heavy, a short CPU training run with a falling loss into speculators' checkpoint layout (kills and resume:
 tests/reliability/test_stage04_faults.py), and (e2e) vLLM serving the checkpoint as an eagle3 draft with greedy output unchanged."""
 import json
+import pathlib
 import os
 import re
 import shutil
@@ -67,6 +68,15 @@ def test_training_lowers_the_loss_into_a_servable_checkpoint(trained, model_path
     assert {"d2t", "t2d"} <= keys and any(k.startswith("fc") for k in keys)
     man = json.load(open(out / "manifest.json"))
     assert man["stage"] == "train" and man["layer_ids"] == [2, 15, 27, 30] and man["steps"] > 0
+    # the states were computed in float32 and stored bf16 (conftest); training computed in auto's dtype, said first
+    from eagle3pipe import compute
+    hs_man = json.load(open(pathlib.Path(man["inputs"]["hidden_states"]) / "manifest.json"))
+    assert hs_man["compute_dtype"] == "float32" and hs_man["storage_dtype"] == "bf16"
+    auto = compute.resolve("auto", on_gpu=False)
+    assert man["compute_dtype"] == auto.dtype and man["speculators_config"]["hidden_states_dtype"] == auto.dtype
+    assert auto.describe() in p.stderr
+    assert re.search(r"estimate from steps 2-\d+ at [0-9.]+ s/step: the remaining \d+ steps take about \d+ min",
+                     p.stderr), p.stderr[-3000:]
     from eagle3pipe.engine import serve_command  # the command that works with the vLLM installed here
     assert f"serve it: {serve_command(model_path, str(out / 'last'), 3)}" in p.stdout, p.stdout[-600:]
 

@@ -1,0 +1,130 @@
+"""How long stages 02-05 will take on this machine, from a short measurement: what `scripts/quickstart.sh` prints
+before it commits to the run, and how it sizes the run to fit a time budget.
+
+The measurement: one forward of the verifier (transformers, the compute dtype compute.py picks) over a real prepared
+row of up to 1,024 tokens, timed after a warm-up pass (about 10 s in all). The stages' own rates are that forward rate
+times ratios measured on this project's reference machine in the same dtype (REFERENCE below: bench/bench_dtype_cpu.py,
+docs/BENCHMARKS.md): matmul-bound work scales with the forward rate, so a machine whose forward is 3x slower runs the
+stages about 3x slower; fixed costs (engine start-up) scale the same way. It is an estimate, about right, not a
+promise: each stage prints its own estimate from its first batches once it runs.
+
+    python -m eagle3pipe.estimate --config configs/smollm2-135m.yaml --epochs 2 [--budget-min 25]
+"""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+# This project's 2-core AMD EPYC (AVX-512 with avx512_bf16, no AMX), SmolLM2-135M, stage defaults of the quickstart;
+# per compute dtype: the HF forward's tok/s measured here, and each stage's rate as a fraction of it, plus fixed costs
+# in seconds at that forward rate (bench/bench_dtype_cpu.py, 2026-12-01; float32 is also what a CPU without native
+# bf16 runs, where the forward itself is what the measurement finds slower).
+REFERENCE = {
+    "bfloat16": {"fwd": 1846.0, "02": 1.00, "04": 0.40, "02_fixed": 45.0, "04_fixed": 30.0, "05_fixed": 70.0,
+                 "05_tok": 12.0},
+    "float32": {"fwd": 686.0, "02": 0.90, "04": 0.45, "02_fixed": 50.0, "04_fixed": 30.0, "05_fixed": 75.0,
+                "05_tok": 9.0},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    dtype: str
+    reason: str
+    forward_tok_s: float       # measured here
+    slowdown: float            # the reference machine's forward rate / this one's (same dtype)
+
+
+def measure(model_path, rows, requested="auto", seconds=3.0):
+    """Rates of this machine: a timed forward of the verifier in the compute dtype over the longest of `rows` (cut to
+    1,024 tokens)."""
+    from . import compute
+    c = compute.resolve(requested, on_gpu=False)
+    import torch
+    from transformers import AutoModel
+    torch.manual_seed(0)
+    model = AutoModel.from_pretrained(model_path, dtype=c.torch()).eval()
+    ids = torch.tensor([max(rows, key=len)[:1024]])
+    n, t0 = 0, None
+    with torch.inference_mode():
+        model(input_ids=ids[:, :128])  # warm-up: kernels, allocator
+        t0 = time.time()
+        while n == 0 or time.time() - t0 < seconds:
+            model(input_ids=ids)
+            n += 1
+    rate = n * ids.shape[1] / (time.time() - t0)
+    return Rates(c.dtype, c.reason, rate, REFERENCE[c.dtype]["fwd"] / rate)
+
+
+def stage_seconds(r, tokens, epochs, prompts, new_tokens, batch_sizes):
+    """{stage: seconds} for a run of `tokens` prepared tokens."""
+    ref, s = REFERENCE[r.dtype], r.slowdown
+    fwd = ref["fwd"] / s
+    return {
+        "02 extract": ref["02_fixed"] * s + tokens / (fwd * ref["02"]),
+        "03 vocab map": 5.0,
+        "04 train": ref["04_fixed"] * s + epochs * tokens / (fwd * ref["04"]),
+        # two engines (without and with the draft), each generating prompts x new tokens at every batch size
+        "05 evaluate": ref["05_fixed"] * s + 2 * len(batch_sizes) * prompts * new_tokens / (ref["05_tok"] / s),
+    }
+
+
+def fit(r, per_row_tokens, rows_max, budget_s, **kw):
+    """The largest number of conversations (at most rows_max) whose stages fit `budget_s`, and their seconds."""
+    lo, hi = 1, rows_max
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(stage_seconds(r, mid * per_row_tokens, **kw).values()) <= budget_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, stage_seconds(r, lo * per_row_tokens, **kw)
+
+
+def _fmt(seconds):
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="How long stages 02-05 take here, from a short measurement.")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--prepared-data", required=True, help="stage 01 folder (its rows' lengths)")
+    p.add_argument("--samples", type=int, required=True, help="conversations stage 01 read (the most to use)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-sizes", default="1,4")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--budget-min", type=float, default=None,
+                   help="print on stdout the number of conversations that fits this many minutes")
+    a = p.parse_args(argv)
+    with open(os.path.join(a.prepared_data, "tokenized_data.jsonl"), "rb") as f:
+        rows = [json.loads(line)["input_ids"] for line in f]
+    r = measure(a.model_path, rows, a.dtype)
+    kw = dict(epochs=a.epochs, prompts=a.num_prompts, new_tokens=a.max_new_tokens,
+              batch_sizes=[int(x) for x in a.batch_sizes.split(",")])
+    tokens = sum(len(x) for x in rows)
+    full = stage_seconds(r, tokens, **kw)
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731  (stdout carries the answer only)
+    say(f"estimate: compute dtype {r.dtype} ({r.reason}); the verifier's forward runs at {r.forward_tok_s:,.0f} tok/s "
+        f"here ({r.slowdown:.1f}x the reference machine's time)")
+    say(f"estimate: {a.samples} conversations ({tokens:,} tokens), {a.epochs} epochs: " +
+        ", ".join(f"{k} ~{_fmt(v)}" for k, v in full.items()) + f"; about {_fmt(sum(full.values()))} in all")
+    if a.budget_min is None:
+        return 0
+    budget = a.budget_min * 60
+    if sum(full.values()) <= budget:
+        print(a.samples)
+        return 0
+    per_row = tokens / len(rows) * len(rows) / a.samples  # tokens per conversation read (skipped ones included)
+    n, secs = fit(r, per_row, a.samples, budget, **kw)
+    say(f"estimate: that is over the {a.budget_min:.0f}-minute budget; {n} conversations fit (about "
+        f"{_fmt(sum(secs.values()))}): fewer data, a weaker draft (set NUM_SAMPLES={a.samples} to keep them all)")
+    print(n)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

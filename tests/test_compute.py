@@ -1,0 +1,71 @@
+"""The compute dtype chosen from the hardware (eagle3pipe/compute.py): bf16 where it is native, float32 elsewhere,
+fed the flag sets real machines report (no model, no torch)."""
+import pytest
+
+from eagle3pipe import compute
+
+pytestmark = pytest.mark.unit
+
+# /proc/cpuinfo lines as real machines print them (trimmed to the flags that matter and a few around them)
+EPYC_AVX2 = "flags\t\t: fpu vme sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2 sha_ni clzero\n"
+EPYC_AVX512_BF16 = ("flags\t\t: fpu sse2 avx avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 "
+                    "avx512_vnni\n")
+XEON_AMX = "flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
+XEON_AVX512_ONLY = "flags\t\t: fpu sse2 avx avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni\n"
+GRAVITON3 = "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid sve i8mm bf16 svebf16\n"
+GRAVITON2 = "Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop\n"
+
+
+def flags_of(tmp_path, text):
+    path = tmp_path / "cpuinfo"
+    path.write_text("processor\t: 0\nmodel name\t: some CPU\n" + text + "\nprocessor\t: 1\n" + text)
+    return compute.cpu_flags(str(path))
+
+
+@pytest.mark.parametrize("text,dtype,why", [
+    (EPYC_AVX2, "float32", "CPU without native bf16 (AVX2, no avx512_bf16/amx_bf16/bf16): float32"),
+    (XEON_AVX512_ONLY, "float32", "CPU without native bf16 (AVX-512"),
+    (GRAVITON2, "float32", "CPU without native bf16"),
+    (EPYC_AVX512_BF16, "bfloat16", "CPU with native bf16: avx512_bf16"),
+    (XEON_AMX, "bfloat16", "CPU with native bf16: amx_bf16, avx512_bf16"),
+    (GRAVITON3, "bfloat16", "CPU with native bf16: bf16"),
+])
+def test_auto_follows_the_cpu_flags(tmp_path, text, dtype, why):
+    c = compute.resolve("auto", on_gpu=False, flags=flags_of(tmp_path, text))
+    assert c.dtype == dtype and c.reason.startswith(why) and c.warning is None
+    assert c.describe() == f"compute dtype: {dtype} ({c.reason})"
+
+
+def test_gpus_compute_in_bf16_whatever_the_host_cpu(tmp_path):
+    c = compute.resolve("auto", on_gpu=True, flags=flags_of(tmp_path, EPYC_AVX2))
+    assert (c.dtype, c.reason, c.warning) == ("bfloat16", "GPU", None)
+    assert compute.resolve("float32", on_gpu=True).dtype == "float32"
+
+
+def test_explicit_bf16_without_native_bf16_runs_with_one_warning(tmp_path):
+    c = compute.resolve("bfloat16", on_gpu=False, flags=flags_of(tmp_path, EPYC_AVX2))
+    assert c.dtype == "bfloat16"
+    assert "\n" not in c.warning and "emulate bf16" in c.warning and "3-4x slower than float32" in c.warning
+    # where it is native the explicit choice costs nothing: no warning
+    assert compute.resolve("bfloat16", on_gpu=False, flags=flags_of(tmp_path, XEON_AMX)).warning is None
+
+
+def test_explicit_float32_is_kept_and_says_what_auto_would_do(tmp_path):
+    c = compute.resolve("float32", on_gpu=False, flags=flags_of(tmp_path, EPYC_AVX512_BF16))
+    assert c.dtype == "float32" and "--dtype auto would use it" in c.reason and c.warning is None
+    assert compute.resolve("float32", on_gpu=False, flags=flags_of(tmp_path, EPYC_AVX2)).reason == "--dtype float32"
+
+
+def test_unreadable_cpuinfo_means_no_native_bf16(tmp_path):
+    assert compute.cpu_flags(str(tmp_path / "missing")) == set()  # Linux; macOS asks sysctl instead
+    assert compute.resolve("auto", on_gpu=False, flags=set()).dtype == "float32"
+
+
+def test_memory_of_weights_loaded_in_float32():
+    # a bf16 checkpoint doubles in float32 on a CPU; a GPU, a float32 checkpoint or an unknown dtype keep the size
+    assert compute.loaded_weights_bytes(100, "bfloat16", "float32", on_gpu=False) == 200
+    assert compute.loaded_weights_bytes(100, "bfloat16", "bfloat16", on_gpu=False) == 100
+    assert compute.loaded_weights_bytes(100, "float32", "float32", on_gpu=False) == 100
+    assert compute.loaded_weights_bytes(100, "bfloat16", "float32", on_gpu=True) == 100
+    assert compute.loaded_weights_bytes(100, None, "float32", on_gpu=False) == 100
+    assert compute.loaded_weights_bytes(None, "bfloat16", "float32", on_gpu=False) is None
