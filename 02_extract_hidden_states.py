@@ -58,13 +58,13 @@ def main():
     args = parse_args()
     log = cli.setup_logging()
     plan = preflight.plan(args)
-    for warning in (plan.compute.warning, plan.warning):
-        if warning:
-            log.warning(warning)
     print(preflight.format_plan(plan), flush=True)
     # every row is read and checked before anything is written (the dry run, in seconds, trusts stage 01's manifest)
     rows = None if args.dry_run else read_rows(plan.jsonl, plan.rows, plan.verifier["vocab_size"])
     identity, out = prepare_output(args, plan)  # refuses another run's folder, --dry-run included; takes the lock
+    for warning in (plan.compute.warning, plan.warning):  # after every refusal: a refusal stays one line
+        if warning:
+            log.warning(warning)
     if args.dry_run:
         print("dry run: all checks passed; nothing loaded, nothing written")
         return 0

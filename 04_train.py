@@ -88,22 +88,23 @@ def main():
         raise cli.UsageError(f"--total-seq-len {args.total_seq_len}: shorter than the longest row ({longest} tokens); "
                              f"raise it")
     states = online.plan(args, fp, tc, longest) if args.online else None  # engine, GPUs, port: before anything loads
-    dtype = compute.for_cpu_or_gpu(args.dtype, args.device)  # the first line once the checks pass: what it costs
-    if rank == 0:
-        log.info(dtype.describe())
-        if dtype.warning:
-            log.warning(dtype.warning)
+    dtype = compute.for_cpu_or_gpu(args.dtype, args.device)
     if states and states.trainer_cvd:
         os.environ["CUDA_VISIBLE_DEVICES"] = states.trainer_cvd  # training keeps off the engine's GPUs
     identity = {"prepared": prep["content_id"], "extract": ext["content_id"], "vocab": voc["content_id"],
                 "num_layers": args.num_layers, "ttt_steps": args.ttt_steps}
     out = training.prepare_output(args, identity, inputs, rank)  # rank 0 holds the folder's lock from here on
+    if rank == 0:  # the first line once every check has passed: what the run will compute in, and why
+        log.info(dtype.describe())
+        if dtype.warning:
+            log.warning(dtype.warning)
 
     import torch
     on_cpu = args.device == "cpu" or (args.device == "auto" and torch.accelerator.current_accelerator() is None)
     if dtype != compute.resolve(args.dtype, not on_cpu):  # torch sees no GPU where nvidia-smi saw one
         dtype = compute.resolve(args.dtype, not on_cpu)
-        log.info(dtype.describe())
+        if rank == 0:
+            log.info(dtype.describe())
     bridge, server = os.path.join(out, ".bridge"), None
     if rank == 0:
         if states:
@@ -122,7 +123,7 @@ def main():
              f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
              f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}, {dtype.dtype}")
     try:
-        result = training.run(cfg, args, on_cpu)
+        result = training.run(cfg, args, on_cpu, dtype.dtype)
     finally:
         if server:
             server.stop()

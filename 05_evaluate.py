@@ -62,11 +62,11 @@ def main():
         if prep["args"].get("dataset") == args.prompts:
             skip = prep["counts"]["records_read"]  # the records stage 01 used: never evaluate on training data
     prompts = evaluation.select_prompts(args, skip)
+    out = outdir.claim("--output-dir", args.output_dir, "evaluate", OWNED, inputs)
     dtype = compute.resolve(args.dtype, bool(gpus))
     log.info(dtype.describe())
     if dtype.warning:
         log.warning(dtype.warning)
-    out = outdir.claim("--output-dir", args.output_dir, "evaluate", OWNED, inputs)
     log.info(f"{len(prompts)} prompts from {args.prompts} (after the first {skip} records)")
 
     from eagle3pipe.masks import load_tokenizer

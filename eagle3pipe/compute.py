@@ -111,11 +111,11 @@ def stored_dtype_bytes(torch_dtype):
     return {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(torch_dtype or "").replace("torch.", ""))
 
 
-def loaded_weights_bytes(stored_bytes, torch_dtype, dtype, on_gpu):
-    """The memory the verifier's weights take once loaded in `dtype`: a bf16 checkpoint doubles in float32 on a CPU
-    (a GPU keeps quantized or bf16 weights as stored)."""
+def loaded_weights_bytes(stored_bytes, torch_dtype, dtype):
+    """The memory the verifier's weights take once loaded in `dtype`: a bf16 checkpoint doubles in float32 (a quantized
+    or unknown one counts as stored)."""
     per = stored_dtype_bytes(torch_dtype)
-    if stored_bytes is None or on_gpu or per is None:
+    if stored_bytes is None or per is None:
         return stored_bytes
     return stored_bytes * value_bytes(dtype) // per
 

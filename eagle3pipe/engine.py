@@ -11,6 +11,7 @@
   that quotes the log's last error.
 """
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -85,7 +86,7 @@ def engine_output(log_path):
     file is opened without following a link (O_NOFOLLOW): a link planted there is refused, never written through."""
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = open_log(log_path)
     saved = os.dup(1), os.dup(2)
     try:
         os.write(fd, f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: {' '.join(sys.argv)}\n".encode())
@@ -104,6 +105,18 @@ def engine_output(log_path):
             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
                 stream = stream or open(log_path, "a", encoding="utf-8", opener=_no_follow)
                 h.setStream(stream)
+
+
+def open_log(log_path):
+    """A file descriptor appending to `log_path`, never through a link planted there; RunError (one line) if it
+    cannot be opened."""
+    from .cli import RunError
+    try:
+        return os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        what = " (a link or a folder stands there)" if e.errno in (errno.ELOOP, errno.EISDIR) else ""
+        raise RunError(f"{log_path}: cannot open the engine's log: {e.strerror}{what}; remove it or choose another "
+                       f"output folder")
 
 
 def _no_follow(path, flags):

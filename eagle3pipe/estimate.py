@@ -8,7 +8,8 @@ docs/BENCHMARKS.md): matmul-bound work scales with the forward rate, so a machin
 stages about 3x slower; fixed costs (engine start-up) scale the same way. It is an estimate, about right, not a
 promise: each stage prints its own estimate from its first batches once it runs.
 
-    python -m eagle3pipe.estimate --config configs/smollm2-135m.yaml --epochs 2 [--budget-min 25]
+    python -m eagle3pipe.estimate --model-path M --prepared-data data/prepared --samples 300 --epochs 1 \
+        [--budget-min 24]     # stdout: the number of conversations that fits (stderr: the estimate)
 """
 import argparse
 import dataclasses
@@ -17,15 +18,15 @@ import os
 import sys
 import time
 
-# This project's 2-core AMD EPYC (AVX-512 with avx512_bf16, no AMX), SmolLM2-135M, stage defaults of the quickstart;
-# per compute dtype: the HF forward's tok/s measured here, and each stage's rate as a fraction of it, plus fixed costs
-# in seconds at that forward rate (bench/bench_dtype_cpu.py, 2026-12-01; float32 is also what a CPU without native
-# bf16 runs, where the forward itself is what the measurement finds slower).
+# This project's 2-core AMD EPYC (AVX-512 with avx512_bf16, no AMX), SmolLM2-135M, bench/bench_dtype_cpu.py and this
+# module's measure(), 2026-12-01. Per compute dtype: measure()'s forward tok/s; each stage's rate as a multiple of it
+# (02: vLLM backend; 04: per prepared token, 2,048-token packed steps, ~1.17 packed tokens per prepared one; 05:
+# generated tok/s of either engine, absolute); fixed costs in seconds (engine start-up, imports, validation).
 REFERENCE = {
-    "bfloat16": {"fwd": 1846.0, "02": 1.00, "04": 0.40, "02_fixed": 45.0, "04_fixed": 30.0, "05_fixed": 70.0,
-                 "05_tok": 12.0},
-    "float32": {"fwd": 686.0, "02": 0.90, "04": 0.45, "02_fixed": 50.0, "04_fixed": 30.0, "05_fixed": 75.0,
-                "05_tok": 9.0},
+    "bfloat16": {"fwd": 1443.0, "02": 1.58, "04": 0.53, "02_fixed": 22.0, "04_fixed": 15.0, "05_fixed": 55.0,
+                 "05_tok": 55.0},
+    "float32": {"fwd": 736.0, "02": 1.86, "04": 0.65, "02_fixed": 22.0, "04_fixed": 15.0, "05_fixed": 50.0,
+                "05_tok": 45.0},
 }
 
 
@@ -71,9 +72,12 @@ def stage_seconds(r, tokens, epochs, prompts, new_tokens, batch_sizes):
     }
 
 
+MIN_ROWS = 40  # below this a quickstart draft learns too little to measure (and the validation split is a row or two)
+
+
 def fit(r, per_row_tokens, rows_max, budget_s, **kw):
-    """The largest number of conversations (at most rows_max) whose stages fit `budget_s`, and their seconds."""
-    lo, hi = 1, rows_max
+    """The largest number of conversations (MIN_ROWS to rows_max) whose stages fit `budget_s`, and their seconds."""
+    lo, hi = min(MIN_ROWS, rows_max), rows_max
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if sum(stage_seconds(r, mid * per_row_tokens, **kw).values()) <= budget_s:
@@ -100,6 +104,10 @@ def main(argv=None):
     p.add_argument("--budget-min", type=float, default=None,
                    help="print on stdout the number of conversations that fits this many minutes")
     a = p.parse_args(argv)
+    from .engine import visible_gpus
+    if visible_gpus():  # the quickstart's sizes are seconds of work for a GPU; the measurement here is a CPU one
+        print(a.samples)
+        return 0
     with open(os.path.join(a.prepared_data, "tokenized_data.jsonl"), "rb") as f:
         rows = [json.loads(line)["input_ids"] for line in f]
     r = measure(a.model_path, rows, a.dtype)
@@ -120,8 +128,10 @@ def main(argv=None):
         return 0
     per_row = tokens / len(rows) * len(rows) / a.samples  # tokens per conversation read (skipped ones included)
     n, secs = fit(r, per_row, a.samples, budget, **kw)
-    say(f"estimate: that is over the {a.budget_min:.0f}-minute budget; {n} conversations fit (about "
-        f"{_fmt(sum(secs.values()))}): fewer data, a weaker draft (set NUM_SAMPLES={a.samples} to keep them all)")
+    over = sum(secs.values()) > budget
+    say(f"estimate: that is over the {a.budget_min:.0f}-minute budget; {'even ' if over else ''}{n} conversations "
+        f"{'take' if over else 'fit:'} about {_fmt(sum(secs.values()))}: fewer data, a weaker draft (set "
+        f"NUM_SAMPLES={a.samples} to keep them all)")
     print(n)
     return 0
 

@@ -73,8 +73,27 @@ def prepare_output(args, plan):
     for pid in os.listdir(staging) if os.path.isdir(staging) else []:  # our engine's leftovers from dead runs
         if not pid.isdigit() or not outdir.pid_alive(int(pid)):
             outdir.remove_path(os.path.join(staging, pid))
-    files.write_json(os.path.join(out, files.RUN_FILE), {"stage": "extract", "identity": identity})
+    # the compute dtypes of the runs whose files are here (a resumed folder may mix them; the manifest says so)
+    earlier = []
+    if not args.overwrite and os.path.exists(run_file):
+        old = files.read_json(run_file)
+        earlier = old.get("compute_dtypes", ["bfloat16"]) if isinstance(old, dict) and old.get("identity") == identity \
+            else []  # a folder from before --dtype was computed in bf16
+    files.write_json(os.path.join(out, files.RUN_FILE), {"stage": "extract", "identity": identity,
+                                                         "compute_dtypes": earlier})
     return identity, out
+
+
+def computed_dtypes(out, plan, extracted):
+    """The compute dtypes of the runs that wrote files here: the run file's record, with this run's added (there too)
+    if it extracted any row."""
+    run_file = os.path.join(out, files.RUN_FILE)
+    record = files.read_json(run_file) if os.path.exists(run_file) else {}
+    dtypes = set(record.get("compute_dtypes", [])) if isinstance(record, dict) else set()
+    if extracted and plan.compute.dtype not in dtypes:
+        dtypes.add(plan.compute.dtype)
+        files.write_json(run_file, {**record, "compute_dtypes": sorted(dtypes)})
+    return sorted(dtypes)
 
 
 def finish(args, plan, identity, rows, failed, stats):
@@ -82,10 +101,12 @@ def finish(args, plan, identity, rows, failed, stats):
     completes the set (or `--verify`) checks every file of every shard and writes the folder's manifest."""
     from . import extraction
     out, (n_states, hidden) = args.output_dir, (plan.n_states, plan.hidden_size)
+    dtypes = computed_dtypes(out, plan, stats["tokens"] > 0)
     if args.shard and not args.verify:
         i, n = args.shard
         files.write_json(os.path.join(out, SHARD_REPORT.format(i, n)), {"shard": [i, n], "identity": identity, **stats,
-                                                                         "failures": {str(k): v for k, v in failed.items()}})
+                                                                         "failures": {str(k): v for k, v in failed.items()},
+                                                                         "compute_dtypes": dtypes})
     if args.shard or args.verify:
         reports = [files.read_json(os.path.join(out, f)) for f in sorted(os.listdir(out)) if f.startswith(".shard-")]
         reports = [r for r in reports if r.get("identity") == identity]
@@ -108,13 +129,16 @@ def finish(args, plan, identity, rows, failed, stats):
             return 1
         stats = {"tokens": sum(r["tokens"] for r in reports), "seconds": max((r["seconds"] for r in reports), default=0),
                  "resumed": sum(r["resumed"] for r in reports), "shards": n} if reports else stats
+        dtypes = sorted(set(dtypes).union(*(r.get("compute_dtypes", []) for r in reports)))
     ok, tokens, secs = len(rows) - len(failed), stats["tokens"], stats["seconds"]
     bytes_written = sum(len(rows[i]) for i in range(len(rows)) if i not in failed) * plan.disk_per_token
     faults.kill_point("end")
     files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
         "extract", args, identity=identity, content_id=files.content_id(identity), verifier=plan.verifier,
         layer_ids=plan.layer_ids, layer_id_convention=verifier.LAYER_ID_CONVENTION, storage_dtype=args.storage_dtype,
-        compute_dtype=plan.compute.dtype, compute_dtype_reason=plan.compute.reason, prepared_data=os.path.abspath(plan.jsonl),
+        # one dtype, or "mixed" when runs computing in both wrote this folder (compute_dtypes lists them)
+        compute_dtype=dtypes[0] if len(dtypes) == 1 else "mixed" if dtypes else None, compute_dtypes=dtypes,
+        compute_dtype_reason=plan.compute.reason if stats["tokens"] else None, prepared_data=os.path.abspath(plan.jsonl),
         counts={"rows": len(rows), "ok": ok, "failed": len(failed), "resumed": stats["resumed"],
                 "extracted": ok - stats["resumed"], "tokens_extracted": tokens, "bytes": bytes_written,
                 "shards": stats.get("shards", 1)},

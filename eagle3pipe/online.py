@@ -173,7 +173,7 @@ def plan(s, fp, text_cfg, longest):
         raise UsageError("--dtype float32: vLLM's hidden-states connector on GPU stores states in the compute dtype, "
                          "and the trainer reads bf16; use --dtype auto (bf16 on GPUs) or --backend hf")
     memory = check_engine(s, text_cfg, compute.loaded_weights_bytes(weights_bytes(s.model_path), fp.get("torch_dtype"),
-                          dtype.dtype, bool(gpus)), gpus, engine_gpus, shared)
+                          dtype.dtype), gpus, engine_gpus, shared)
     port = free_port("--engine-port", s.engine_port)
     return Plan(address=None, port=port, engine_cvd=physical(engine_gpus) if gpus else None,
                 trainer_cvd=physical(trainer_gpus) if gpus and not shared else None,
@@ -275,7 +275,8 @@ class Engine:
 
     @classmethod
     def start(cls, cmd, env, log_path, port):
-        f = open(log_path, "ab")
+        from .engine import open_log
+        f = os.fdopen(open_log(log_path), "ab")  # never through a link planted at that name
         f.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
         f.flush()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)

@@ -232,7 +232,7 @@ def plan(args):
     if disk_need - have > free:
         raise UsageError(f"--output-dir {args.output_dir}: needs about {(disk_need - have) / 1e9:.2f} GB more, "
                          f"{free / 1e9:.2f} GB free")
-    weights = compute.loaded_weights_bytes(weights_bytes(args.model_path), fp.get("torch_dtype"), dtype.dtype, bool(gpus))
+    weights = compute.loaded_weights_bytes(weights_bytes(args.model_path), fp.get("torch_dtype"), dtype.dtype)
     note = f" ({log_warn.split(': ', 1)[1]})" if log_warn and args.batch_size > rows else ""
     avail, per_tok, worst = check_memory(args, tc, n_states, weights, gpus, rows, counts["max_row_tokens"], note,
                                          compute.value_bytes(dtype.dtype))

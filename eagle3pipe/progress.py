@@ -36,8 +36,10 @@ class Progress:
     def update(self, n=1, tokens=0):
         self.n += n
         self.tokens += tokens
-        if self.first is None:  # the rate is measured from the end of the first batch, which also warms up
-            self.first = (time.time(), self.tokens)
+        if self.first is None or time.time() - self.first[0] < 0.5:
+            # the rate is measured from the end of the first batch (which also warms up): its rows, which finish
+            # within moments of each other, are not part of it
+            self.first = (self.first or (time.time(),))[:1] + (self.tokens,)
         elif not self.estimated and self.total_tokens and (time.time() - self.first[0] >= 15 or (
                 time.time() - self.first[0] >= 5 and self.tokens - self.first[1] >= 0.05 * self.total_tokens)):
             self.estimated = True
@@ -63,6 +65,8 @@ class Progress:
         """One line: the rate of the first batches and what it means for the whole run."""
         t, tokens = self.first
         rate = (self.tokens - tokens) / max(time.time() - t, 1e-9)
+        if rate <= 0:  # only failed rows so far: nothing to extrapolate from
+            return
         left = (self.total_tokens - self.tokens) / max(rate, 1e-9)
         finish = time.strftime("%H:%M", time.localtime(time.time() + left))
         msg = (f"{self.desc}: estimate at {rate:,.0f} tok/s (measured after the first batch): the remaining "

@@ -6,6 +6,7 @@ config, packed batches, TTT steps, checkpoints with mid-epoch resume, DDP/FSDP u
 stages into it without copying hidden states: stage 01's JSONL becomes the small Arrow table speculators reads
 (input_ids, loss_mask, seq_len), and its `hidden_states_path` points at stage 02's folder.
 """
+import contextlib
 import json
 import logging
 import os
@@ -209,7 +210,7 @@ class DenseLog(logging.Handler):
             self.estimated, rate = True, (time.time() - self.t0) / (done - 1)
             left = rate * (self.total - step)
             finish = time.strftime('%H:%M', time.localtime(time.time() + left))
-            log.info(f"estimate from steps 2-{done} at {rate:.2f} s/step: the remaining {self.total - step} steps take "
+            log.info(f"estimate from steps {self.step0 + 2}-{step} at {rate:.2f} s/step: the remaining {self.total - step} steps take "
                      f"about {max(1, round(left / 60))} min (done near {finish}), plus validation and checkpoints")
         if step % self.every and step != self.total:
             return
@@ -244,6 +245,43 @@ def apply_cpu_compat():
     if torch.accelerator.current_accelerator() is None:
         torch.accelerator.synchronize = lambda *a, **k: None
         ckpt.get_current_device = lambda: "cpu"
+
+
+@contextlib.contextmanager
+def muon_in_float32(dtype):
+    """speculators' default optimizer is torch.optim.Muon, which orthogonalizes each update by Newton-Schulz
+    iterations in bf16, hard-coded. Where the run computes in float32 (a CPU without native bf16) that emulated bf16
+    cost a SmolLM2 draft ~30 s a step under AVX2 kernels, against 0.6 s for the same iterations in float32
+    (docs/BENCHMARKS.md). So, with float32 compute and only while training runs, the same iteration (torch 2.13's
+    coefficients and steps, passed through) runs in float32: more precise, not different. A torch whose private
+    function has another signature keeps its own, with a warning."""
+    if dtype != "float32":
+        yield
+        return
+    import inspect
+    import torch
+    import torch.optim._muon as muon
+    orig = getattr(muon, "_zeropower_via_newtonschulz", None)
+    if orig is None or list(inspect.signature(orig).parameters) != ["grad", "ns_coefficients", "ns_steps", "eps"]:
+        log.warning(f"torch {torch.__version__}'s Muon internals differ from 2.13's: its Newton-Schulz stays in bf16, "
+                    f"slow on a CPU without native bf16 (or choose speculators' adamw)")
+        yield
+        return
+
+    def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
+        a, b, c = ns_coefficients
+        x = grad.float()
+        x = x.T if grad.size(0) > grad.size(1) else x  # [small, large]: the Gram matrix is the small one
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if grad.size(0) > grad.size(1) else x
+    muon._zeropower_via_newtonschulz = newton_schulz_float32
+    try:
+        yield
+    finally:
+        muon._zeropower_via_newtonschulz = orig
 
 
 def make_trainer_class(dense_log, on_cpu, max_steps):
@@ -403,8 +441,9 @@ def fused_loss_fails(draft_vocab, ttt_steps, tokens=256):
         torch._dynamo.reset()
 
 
-def run(cfg, args, on_cpu):
-    """speculators' own training entry point, with our Trainer subclass and dense log attached."""
+def run(cfg, args, on_cpu, dtype="bfloat16"):
+    """speculators' own training entry point, with our Trainer subclass and dense log attached; `dtype` the compute
+    dtype (train_config's)."""
     import speculators.train.cli as scli
     if on_cpu:
         apply_cpu_compat()
@@ -434,7 +473,8 @@ def run(cfg, args, on_cpu):
             holder["trainer"] = self
             super().setup_model()
     scli.Trainer = Recording
-    scli.main(cfg)
+    with muon_in_float32(dtype):
+        scli.main(cfg)
     t = holder.get("trainer")
     path = t.checkpointer.path if t else None
     real = lambda name: os.path.realpath(path / name) if path and (path / name).exists() else None  # noqa: E731

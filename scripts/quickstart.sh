@@ -29,8 +29,9 @@ if [ -z "${NUM_SAMPLES:-}" ] && [ -n "$prev" ] && [ "$prev" != None ]; then N=$p
 $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";          stamp "01 prepare"
 budget=(); [ -z "${NUM_SAMPLES:-}" ] && [ -z "$prev" ] && budget=(--budget-min "${BUDGET_MIN:-24}")
 fit=$($PY -m eagle3pipe.estimate --model-path $MODEL --prepared-data data/prepared --samples "$N" \
-      --epochs "$EPOCHS" --num-prompts "$PROMPTS" --max-new-tokens 64 --batch-sizes 1,4 "${budget[@]}")
-if [ -n "$fit" ] && [ "$fit" -lt "$N" ]; then
+      --epochs "$EPOCHS" --num-prompts "$PROMPTS" --max-new-tokens 64 --batch-sizes 1,4 ${budget[@]+"${budget[@]}"}) \
+  || { echo "quickstart: the estimate failed (above); keeping $N conversations" >&2; fit=""; }
+if [[ "$fit" =~ ^[0-9]+$ ]] && [ "$fit" -lt "$N" ]; then
   N=$fit
   $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";        stamp "01 prepare ($N conversations)"
 fi

@@ -62,10 +62,9 @@ def test_unreadable_cpuinfo_means_no_native_bf16(tmp_path):
 
 
 def test_memory_of_weights_loaded_in_float32():
-    # a bf16 checkpoint doubles in float32 on a CPU; a GPU, a float32 checkpoint or an unknown dtype keep the size
-    assert compute.loaded_weights_bytes(100, "bfloat16", "float32", on_gpu=False) == 200
-    assert compute.loaded_weights_bytes(100, "bfloat16", "bfloat16", on_gpu=False) == 100
-    assert compute.loaded_weights_bytes(100, "float32", "float32", on_gpu=False) == 100
-    assert compute.loaded_weights_bytes(100, "bfloat16", "float32", on_gpu=True) == 100
-    assert compute.loaded_weights_bytes(100, None, "float32", on_gpu=False) == 100
-    assert compute.loaded_weights_bytes(None, "bfloat16", "float32", on_gpu=False) is None
+    # a bf16 checkpoint doubles in float32; a float32 checkpoint or an unknown (quantized) dtype keeps its size
+    assert compute.loaded_weights_bytes(100, "bfloat16", "float32") == 200
+    assert compute.loaded_weights_bytes(100, "bfloat16", "bfloat16") == 100
+    assert compute.loaded_weights_bytes(100, "float32", "float32") == 100
+    assert compute.loaded_weights_bytes(100, None, "float32") == 100
+    assert compute.loaded_weights_bytes(None, "bfloat16", "float32") is None
