@@ -11,6 +11,7 @@ is the compute dtype; checkpoints stay speculators' bf16. Manifests record the c
 the preflight calls this before anything heavy loads.
 """
 import dataclasses
+import os
 import platform
 import subprocess
 from typing import Optional
@@ -59,9 +60,25 @@ def cpu_flags(cpuinfo="/proc/cpuinfo"):
     return flags
 
 
-def native_bf16(flags):
-    """The feature names among `flags` that give native bf16 arithmetic (empty: none)."""
-    return sorted(set(flags) & set(NATIVE_BF16))
+# oneDNN's ISA caps without bf16 instructions (ONEDNN_MAX_CPU_ISA)
+ONEDNN_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def kernel_cap(env):
+    """Why torch will not use the CPU's bf16 instructions although the CPU has them, or None: the operator held its
+    kernels below them (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, as torch documents), so bf16 is emulated."""
+    aten, onednn = env.get("ATEN_CPU_CAPABILITY", "").strip().lower(), env.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if aten and not aten.startswith("avx512"):
+        return f"ATEN_CPU_CAPABILITY={aten}"
+    if onednn in ONEDNN_WITHOUT_BF16:
+        return f"ONEDNN_MAX_CPU_ISA={onednn}"
+    return None
+
+
+def native_bf16(flags, env=None):
+    """The feature names among `flags` that give native bf16 arithmetic (empty: none, or torch held below them by
+    `env`)."""
+    return [] if env is not None and kernel_cap(env) else sorted(set(flags) & set(NATIVE_BF16))
 
 
 def isa(flags):
@@ -72,21 +89,25 @@ def isa(flags):
     return platform.machine() or "unknown"
 
 
-def resolve(requested, on_gpu, flags=None):
-    """The compute dtype for `requested` (one of CHOICES) on a GPU or this CPU (`flags`: cpu_flags() by default)."""
+def resolve(requested, on_gpu, flags=None, env=None):
+    """The compute dtype for `requested` (one of CHOICES) on a GPU or this CPU (`flags`: cpu_flags() by default;
+    `env`: this process's environment, whose kernel caps count, by default)."""
     if on_gpu:
         if requested == "float32":
             return Compute("float32", "--dtype float32 on GPU: bf16 is native there and about 2x faster", None)
         return Compute("bfloat16", "GPU" if requested == "auto" else "--dtype bfloat16", None)
+    env = os.environ if env is None else env
     flags = cpu_flags() if flags is None else set(flags)
-    native = native_bf16(flags)
+    native = native_bf16(flags, env)
     if requested == "float32":
         note = f"; this CPU has native bf16 ({', '.join(native)}): --dtype auto would use it" if native else ""
         return Compute("float32", "--dtype float32" + note, None)
     if native:
         return Compute("bfloat16", f"CPU with native bf16: {', '.join(native)}" if requested == "auto"
                        else "--dtype bfloat16", None)
-    without = f"CPU without native bf16 ({isa(flags)}, no {'/'.join(NATIVE_BF16)})"
+    cap = kernel_cap(env)
+    without = (f"CPU without native bf16 ({isa(flags)}, no {'/'.join(NATIVE_BF16)})" if not cap else
+               f"torch held below the CPU's bf16 kernels by {cap}")
     if requested == "auto":
         return Compute("float32", f"{without}: float32", None)
     return Compute("bfloat16", f"--dtype bfloat16 on a {without}",

@@ -31,34 +31,45 @@ def flags_of(tmp_path, text):
     (GRAVITON3, "bfloat16", "CPU with native bf16: bf16"),
 ])
 def test_auto_follows_the_cpu_flags(tmp_path, text, dtype, why):
-    c = compute.resolve("auto", on_gpu=False, flags=flags_of(tmp_path, text))
+    c = compute.resolve("auto", on_gpu=False, flags=flags_of(tmp_path, text), env={})
     assert c.dtype == dtype and c.reason.startswith(why) and c.warning is None
     assert c.describe() == f"compute dtype: {dtype} ({c.reason})"
 
 
 def test_gpus_compute_in_bf16_whatever_the_host_cpu(tmp_path):
-    c = compute.resolve("auto", on_gpu=True, flags=flags_of(tmp_path, EPYC_AVX2))
+    c = compute.resolve("auto", on_gpu=True, flags=flags_of(tmp_path, EPYC_AVX2), env={})
     assert (c.dtype, c.reason, c.warning) == ("bfloat16", "GPU", None)
     assert compute.resolve("float32", on_gpu=True).dtype == "float32"
 
 
 def test_explicit_bf16_without_native_bf16_runs_with_one_warning(tmp_path):
-    c = compute.resolve("bfloat16", on_gpu=False, flags=flags_of(tmp_path, EPYC_AVX2))
+    c = compute.resolve("bfloat16", on_gpu=False, flags=flags_of(tmp_path, EPYC_AVX2), env={})
     assert c.dtype == "bfloat16"
     assert "\n" not in c.warning and "emulate bf16" in c.warning and "3-4x slower than float32" in c.warning
     # where it is native the explicit choice costs nothing: no warning
-    assert compute.resolve("bfloat16", on_gpu=False, flags=flags_of(tmp_path, XEON_AMX)).warning is None
+    assert compute.resolve("bfloat16", on_gpu=False, flags=flags_of(tmp_path, XEON_AMX), env={}).warning is None
 
 
 def test_explicit_float32_is_kept_and_says_what_auto_would_do(tmp_path):
-    c = compute.resolve("float32", on_gpu=False, flags=flags_of(tmp_path, EPYC_AVX512_BF16))
+    c = compute.resolve("float32", on_gpu=False, flags=flags_of(tmp_path, EPYC_AVX512_BF16), env={})
     assert c.dtype == "float32" and "--dtype auto would use it" in c.reason and c.warning is None
-    assert compute.resolve("float32", on_gpu=False, flags=flags_of(tmp_path, EPYC_AVX2)).reason == "--dtype float32"
+    c = compute.resolve("float32", on_gpu=False, flags=flags_of(tmp_path, EPYC_AVX2), env={})
+    assert c.reason == "--dtype float32"
+
+
+def test_kernels_held_below_bf16_count_as_no_native_bf16(tmp_path):
+    """ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA caps make torch emulate bf16 on a CPU that has it: float32 then."""
+    flags = flags_of(tmp_path, EPYC_AVX512_BF16)
+    for env in ({"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"ATEN_CPU_CAPABILITY": "default"}):
+        c = compute.resolve("auto", on_gpu=False, flags=flags, env=env)
+        assert c.dtype == "float32" and f"{next(iter(env))}=" in c.reason, c
+    for env in ({}, {"ATEN_CPU_CAPABILITY": "avx512"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}):
+        assert compute.resolve("auto", on_gpu=False, flags=flags, env=env).dtype == "bfloat16"
 
 
 def test_unreadable_cpuinfo_means_no_native_bf16(tmp_path):
     assert compute.cpu_flags(str(tmp_path / "missing")) == set()  # Linux; macOS asks sysctl instead
-    assert compute.resolve("auto", on_gpu=False, flags=set()).dtype == "float32"
+    assert compute.resolve("auto", on_gpu=False, flags=set(), env={}).dtype == "float32"
 
 
 def test_memory_of_weights_loaded_in_float32():
