@@ -23,7 +23,9 @@ class HFBackend:
     def __init__(self, model_path, layer_ids, trust_remote_code=False, device=None, storage="bf16", dtype="bfloat16"):
         """`dtype`: what the model computes in (compute.py); the states are stored bf16 (or fp8) either way."""
         import torch
+        import transformers
         from transformers import AutoModel
+        transformers.utils.logging.disable_progress_bar()  # a bar per load: noise in a nohup log
         self.torch = torch
         cuda = torch.cuda.is_available()
         self.device = device or ("cuda" if cuda else "cpu")

@@ -44,7 +44,9 @@ def measure(model_path, rows, requested="auto", seconds=3.0):
     from . import compute
     c = compute.resolve(requested, on_gpu=False)
     import torch
+    import transformers
     from transformers import AutoModel
+    transformers.utils.logging.disable_progress_bar()  # the estimate's lines are the only ones the reader needs
     torch.manual_seed(0)
     model = AutoModel.from_pretrained(model_path, dtype=c.torch()).eval()
     ids = torch.tensor([max(rows, key=len)[:1024]])
@@ -118,7 +120,7 @@ def main(argv=None):
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731  (stdout carries the answer only)
     say(f"estimate: compute dtype {r.dtype} ({r.reason}); the verifier's forward runs at {r.forward_tok_s:,.0f} tok/s "
         f"here ({r.slowdown:.1f}x the reference machine's time)")
-    say(f"estimate: {a.samples} conversations ({tokens:,} tokens), {a.epochs} epochs: " +
+    say(f"estimate: {a.samples} conversations ({tokens:,} tokens), {a.epochs} epoch{'s' if a.epochs > 1 else ''}: " +
         ", ".join(f"{k} ~{_fmt(v)}" for k, v in full.items()) + f"; about {_fmt(sum(full.values()))} in all")
     if a.budget_min is None:
         return 0
