@@ -18,14 +18,15 @@ import os
 import sys
 import time
 
-# This project's 2-core AMD EPYC (AVX-512 with avx512_bf16, no AMX), SmolLM2-135M, bench/bench_dtype_cpu.py and this
-# module's measure(), 2026-12-01. Per compute dtype: measure()'s forward tok/s; each stage's rate as a multiple of it
-# (02: vLLM backend; 04: per prepared token, 2,048-token packed steps, ~1.17 packed tokens per prepared one; 05:
-# generated tok/s of either engine, absolute); fixed costs in seconds (engine start-up, imports, validation).
+# Calibrated on this project's 2-core AMD EPYC (AVX-512 with avx512_bf16, no AMX) running the quickstart itself
+# (284 rows, 387,942 tokens; docs/BENCHMARKS.md): bf16 natively; float32 with torch held to AVX2 kernels, the setting
+# in which auto picks float32. Per compute dtype: measure()'s forward tok/s; each stage's rate per prepared token as a
+# multiple of it (02: vLLM backend; 04: 2,048-token packed steps, one epoch); 05: generated tok/s of either engine;
+# fixed costs in seconds at that forward rate (engine start-up, imports, validation, checkpoints).
 REFERENCE = {
-    "bfloat16": {"fwd": 1443.0, "02": 1.58, "04": 0.53, "02_fixed": 22.0, "04_fixed": 15.0, "05_fixed": 55.0,
+    "bfloat16": {"fwd": 1443.0, "02": 1.41, "04": 0.50, "02_fixed": 22.0, "04_fixed": 15.0, "05_fixed": 55.0,
                  "05_tok": 55.0},
-    "float32": {"fwd": 736.0, "02": 1.86, "04": 0.65, "02_fixed": 22.0, "04_fixed": 15.0, "05_fixed": 50.0,
+    "float32": {"fwd": 701.0, "02": 1.18, "04": 0.72, "02_fixed": 24.0, "04_fixed": 20.0, "05_fixed": 50.0,
                 "05_tok": 45.0},
 }
 
