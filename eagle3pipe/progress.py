@@ -70,7 +70,8 @@ class Progress:
         left = (self.total_tokens - self.tokens) / max(rate, 1e-9)
         finish = time.strftime("%H:%M", time.localtime(time.time() + left))
         msg = (f"{self.desc}: estimate at {rate:,.0f} tok/s (measured after the first batch): the remaining "
-               f"{self.total_tokens - self.tokens:,} tokens take about {_fmt_minutes(left)} (done near {finish})")
+               f"{self.total_tokens - self.tokens:,} tokens take about {_fmt_minutes(left)} (done near {finish}; the "
+               f"longest rows run first, so likely sooner)")
         if self.bar is not None:
             self.bar.write(msg)
         else:
