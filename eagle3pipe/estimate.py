@@ -51,7 +51,7 @@ def measure(model_path, rows, requested="auto", seconds=3.0):
     torch.manual_seed(0)
     model = AutoModel.from_pretrained(model_path, dtype=c.torch()).eval()
     ids = torch.tensor([max(rows, key=len)[:1024]])
-    n, t0 = 0, None
+    n = 0
     with torch.inference_mode():
         model(input_ids=ids[:, :128])  # warm-up: kernels, allocator
         t0 = time.time()
@@ -129,8 +129,7 @@ def main(argv=None):
     if sum(full.values()) <= budget:
         print(a.samples)
         return 0
-    per_row = tokens / len(rows) * len(rows) / a.samples  # tokens per conversation read (skipped ones included)
-    n, secs = fit(r, per_row, a.samples, budget, **kw)
+    n, secs = fit(r, tokens / a.samples, a.samples, budget, **kw)  # per conversation read, skipped ones included
     over = sum(secs.values()) > budget
     say(f"estimate: that is over the {a.budget_min:.0f}-minute budget; {'even ' if over else ''}{n} conversations "
         f"{'take' if over else 'fit:'} about {_fmt(sum(secs.values()))}: fewer data, a weaker draft (set "

@@ -67,7 +67,7 @@ class Progress:
         rate = (self.tokens - tokens) / max(time.time() - t, 1e-9)
         if rate <= 0:  # only failed rows so far: nothing to extrapolate from
             return
-        left = (self.total_tokens - self.tokens) / max(rate, 1e-9)
+        left = (self.total_tokens - self.tokens) / rate
         finish = time.strftime("%H:%M", time.localtime(time.time() + left))
         msg = (f"{self.desc}: estimate at {rate:,.0f} tok/s (measured after the first batch): the remaining "
                f"{self.total_tokens - self.tokens:,} tokens take about {_fmt_minutes(left)} (done near {finish}; the "

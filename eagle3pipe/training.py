@@ -210,8 +210,9 @@ class DenseLog(logging.Handler):
             self.estimated, rate = True, (time.time() - self.t0) / (done - 1)
             left = rate * (self.total - step)
             finish = time.strftime('%H:%M', time.localtime(time.time() + left))
-            log.info(f"estimate from steps {self.step0 + 2}-{step} at {rate:.2f} s/step: the remaining {self.total - step} steps take "
-                     f"about {max(1, round(left / 60))} min (done near {finish}), plus validation and checkpoints")
+            log.info(f"estimate from steps {self.step0 + 2}-{step} at {rate:.2f} s/step: the remaining "
+                     f"{self.total - step} steps take about {max(1, round(left / 60))} min (done near {finish}), plus "
+                     f"validation and checkpoints")
         if step % self.every and step != self.total:
             return
         acc = " ".join(f"{m[k]:.2f}" for k in sorted(k for k in m if "acc" in k and "full" in k)) or \
