@@ -25,10 +25,6 @@ import random
 
 from eagle3pipe import cli, conversations, files, outdir, regenerate, verifier
 
-OWNED = outdir.Owned(["tokenized_data.jsonl", "token_freq.npy", files.MANIFEST, "regenerated.jsonl",
-                      ".regenerating.jsonl", regenerate.ENGINE_LOG])
-
-
 def parse_args(argv=None):
     p = cli.Parser(description="Stage 01: tokenize chat data with assistant-only loss masks.")
     p.add_argument("--model-path", help="verifier: HF model folder or hub id (tokenizer + chat template)")
@@ -81,9 +77,9 @@ def main():
     verifier.check_remote_code(args.model_path, args.trust_remote_code)
     conversations.check_dataset(args.dataset)
     inputs = [("--model-path", args.model_path), ("--dataset", args.dataset)]
-    outdir.check("--output-dir", args.output_dir, "prepare", OWNED, inputs)
+    outdir.check("--output-dir", args.output_dir, "prepare", inputs)
     records, n_read, skipped, info = read_conversations(args, log)
-    out = outdir.claim("--output-dir", args.output_dir, "prepare", OWNED, inputs)  # held until the process exits
+    out = outdir.claim("--output-dir", args.output_dir, "prepare", inputs)  # held until the process exits
 
     import numpy as np
     from eagle3pipe import masks
@@ -144,8 +140,7 @@ def main():
         with files.atomic_path(regen_file) as tmp, open(tmp, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(a) + "\n" for a in answers)
     for stale in ([regen_file] if not regen else []) + [regenerate.cache_path(out)]:
-        if os.path.exists(stale):
-            os.remove(stale)  # an earlier run's, listed in OWNED
+        outdir.remove(stale)  # an earlier run's: only if the record says this stage made it
     # content_id: later stages key their resume on what the rows are, not on when they were written
     files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
         "prepare", args, content_id=digest.hexdigest()[:16], verifier=fp, source=dict(info), counts=stats,

@@ -18,11 +18,10 @@ The output folder must be new, empty or this stage's own; one run at a time hold
 share it).
 """
 import os
-import shutil
 import time
 
-from eagle3pipe import cli, faults, preflight
-from eagle3pipe.extract_output import INCOMING, engine_log, finish, prepare_output, read_rows
+from eagle3pipe import cli, faults, outdir, preflight
+from eagle3pipe.extract_output import INCOMING, clear_spool, engine_log, finish, prepare_output, read_rows
 
 
 def parse_args(argv=None):
@@ -83,8 +82,7 @@ def main():
         faults.kill_point("load")
         t_load = time.time()
         if args.backend == "vllm":
-            staging = os.path.join(out, INCOMING, str(os.getpid()))
-            os.makedirs(staging, exist_ok=True)
+            staging = outdir.make_dir(os.path.join(outdir.make_dir(os.path.join(out, INCOMING)), str(os.getpid())))
             backend = backends.VLLMBackend(args, plan.layer_ids, staging, on_gpu=plan.on_gpu,
                                            dtype=plan.compute.dtype, log_path=os.path.join(out, engine_log(args.shard)))
         else:
@@ -96,11 +94,9 @@ def main():
         failed, tokens, secs, stopped = extraction.run(backend, rows, todo, out, args, plan, bar)
         bar.close()
         if args.backend == "vllm":
-            shutil.rmtree(staging, ignore_errors=True)
-            try:
-                os.rmdir(os.path.dirname(staging))  # .incoming itself, unless another replica's engine still uses it
-            except OSError:
-                pass
+            clear_spool(staging)
+            outdir.remove(staging)
+            outdir.remove(os.path.dirname(staging))  # .incoming, unless another replica's engine still uses it
         if stopped:  # no manifest: the folder is incomplete until a rerun finishes it
             return 128 + stopped
     return finish(args, plan, identity, rows, failed, {"tokens": tokens, "seconds": secs, "resumed": len(done)})

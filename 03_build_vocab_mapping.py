@@ -17,7 +17,6 @@ import os
 
 from eagle3pipe import cli, files, outdir
 
-OWNED = outdir.Owned(["d2t.npy", "t2d.npy", files.MANIFEST])
 
 
 def parse_args(argv=None):
@@ -37,7 +36,7 @@ def main():
     log = cli.setup_logging()
     prep = files.load_stage("--prepared-data", args.prepared_data, "prepare")
     inputs = [("--prepared-data", args.prepared_data)]
-    outdir.check("--output-dir", args.output_dir, "vocab", OWNED, inputs)
+    outdir.check("--output-dir", args.output_dir, "vocab", inputs)
     vocab = prep["verifier"]["vocab_size"]
     if not 1 <= args.draft_vocab_size <= vocab:
         raise cli.UsageError(f"--draft-vocab-size {args.draft_vocab_size}: must be between 1 and the verifier "
@@ -55,7 +54,7 @@ def main():
                              f"rerun 01_prepare_dataset.py")
     d2t, t2d, coverage = build_mapping(freq, args.draft_vocab_size)
 
-    out = outdir.claim("--output-dir", args.output_dir, "vocab", OWNED, inputs)
+    out = outdir.claim("--output-dir", args.output_dir, "vocab", inputs)
     files.begin_output(out)
     files.save_npy(os.path.join(out, "d2t.npy"), d2t)
     files.save_npy(os.path.join(out, "t2d.npy"), t2d)

@@ -58,6 +58,9 @@ def parse_args(argv=None):
                    help="auxiliary layer ids as stage 02 takes them (none: [2, n//2, n-3]); id n is always added")
     o.add_argument("--cache-gb", type=float, default=0.0, help="keep generated samples up to N GB for later epochs")
     o.add_argument("--engine-address", default=None, help="host:port of an engine already running (not started here)")
+    o.add_argument("--engine-spool", default=None,
+                   help="with --engine-address: the folder that engine writes to (its --spool, on a filesystem both "
+                        "share); its files are read and deleted only there")
     o.add_argument("--engine-gpus", type=cli.int_list, default=None,
                    help="GPUs for the engine, tensor parallel over them (none: one GPU is shared, else the first half)")
     o.add_argument("--engine-port", type=int, default=None, help="port for the engine (none: a free one)")
@@ -79,7 +82,7 @@ def main():
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data),
               ("--vocab-mapping", args.vocab_mapping)] + ([] if args.online else [("--hidden-states", args.hidden_states)])
     if rank == 0:
-        outdir.check("--output-dir", args.output_dir, "train", training.owned(args.epochs), inputs)
+        outdir.check("--output-dir", args.output_dir, "train", inputs)
     layer_ids = verifier.resolve_layer_ids(args.layer_ids, fp["num_hidden_layers"]) if args.online else None
     # rank 0 reads every file against its checksum; the other ranks wait for its bridge
     prep, ext, voc, rows, failed = training.check_inputs(args, fp, verify_data=rank == 0, online_layer_ids=layer_ids)
@@ -93,7 +96,7 @@ def main():
         os.environ["CUDA_VISIBLE_DEVICES"] = states.trainer_cvd  # training keeps off the engine's GPUs
     identity = {"prepared": prep["content_id"], "extract": ext["content_id"], "vocab": voc["content_id"],
                 "num_layers": args.num_layers, "ttt_steps": args.ttt_steps}
-    out = training.prepare_output(args, identity, inputs, rank)  # rank 0 holds the folder's lock from here on
+    out, previous = training.prepare_output(args, identity, inputs, rank)  # rank 0 holds the folder's lock from here on
     if rank == 0:  # the first line once every check has passed: what the run will compute in, and why
         log.info(dtype.describe())
         if dtype.warning:
@@ -133,7 +136,10 @@ def main():
         log.warning(f"stopped by a signal at step {result['steps']}; checkpoint {out}/interrupted; rerun the same "
                     f"command to resume")
         return 128 + 15
-    if rank == 0:
+    if rank == 0 and result["steps_this_run"] == 0 and previous:  # the checkpoint is what the earlier run trained
+        files.write_json(os.path.join(out, files.MANIFEST), previous)
+        log.info(f"nothing left to train: {out} is unchanged (its manifest says how it was trained)")
+    elif rank == 0:
         files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
             "train", args, identity=identity, verifier=fp, layer_ids=ext["layer_ids"], aux_layer_ids=aux,
             layer_id_convention=verifier.LAYER_ID_CONVENTION, draft_vocab_size=voc["counts"]["draft_vocab_size"],

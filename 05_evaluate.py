@@ -19,7 +19,6 @@ import os
 from eagle3pipe import cli, compute, conversations, files, outdir, verifier
 
 ENGINE_LOG = "engine.log"
-OWNED = outdir.Owned(["report.json", "acceptance.png", files.MANIFEST, ENGINE_LOG])
 
 
 def parse_args(argv=None):
@@ -54,7 +53,7 @@ def main():
                              f"stage 05 on a GPU machine")
     conversations.check_dataset(args.prompts, "--prompts")
     inputs = [("--model-path", args.model_path), ("--draft", args.draft), ("--prompts", args.prompts)]
-    outdir.check("--output-dir", args.output_dir, "evaluate", OWNED, inputs)
+    outdir.check("--output-dir", args.output_dir, "evaluate", inputs)
     skip = 0
     prep = files.read_manifest(args.prepared_data) if os.path.isdir(args.prepared_data) else None
     if prep and prep.get("stage") == "prepare":
@@ -62,7 +61,7 @@ def main():
         if prep["args"].get("dataset") == args.prompts:
             skip = prep["counts"]["records_read"]  # the records stage 01 used: never evaluate on training data
     prompts = evaluation.select_prompts(args, skip)
-    out = outdir.claim("--output-dir", args.output_dir, "evaluate", OWNED, inputs)
+    out = outdir.claim("--output-dir", args.output_dir, "evaluate", inputs)
     dtype = compute.resolve(args.dtype, bool(gpus))
     log.info(dtype.describe())
     if dtype.warning:

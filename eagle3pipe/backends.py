@@ -168,6 +168,7 @@ class VLLMBackend:
             import torch
             torch.set_num_threads(1)  # this process only validates and writes files: leave the cores to the engine
         from .engine import connector_config, make_llm
+        self.staging = staging  # the spool this stage made: the only place the engine's answers are used
         budget = s.max_tokens_per_batch or s.batch_size * s.max_seq_len
         self.llm = make_llm(
             s.model_path, tp=s.tp_size, on_gpu=on_gpu, trust_remote_code=s.trust_remote_code, dtype=dtype,

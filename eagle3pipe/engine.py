@@ -11,7 +11,6 @@
   that quotes the log's last error.
 """
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -103,24 +102,15 @@ def engine_output(log_path):
         stream = None
         for h in logging.getLogger("vllm").handlers:  # vLLM's later messages in this process: to the file too
             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                stream = stream or open(log_path, "a", encoding="utf-8", opener=_no_follow)
+                stream = stream or os.fdopen(open_log(log_path), "a", encoding="utf-8")
                 h.setStream(stream)
 
 
 def open_log(log_path):
-    """A file descriptor appending to `log_path`, never through a link planted there; RunError (one line) if it
-    cannot be opened."""
-    from .cli import RunError
-    try:
-        return os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        what = " (a link or a folder stands there)" if e.errno in (errno.ELOOP, errno.EISDIR) else ""
-        raise RunError(f"{log_path}: cannot open the engine's log: {e.strerror}{what}; remove it or choose another "
-                       f"output folder")
-
-
-def _no_follow(path, flags):
-    return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    """A file descriptor appending to `log_path`, never through a link planted there (outdir.open_append); RunError
+    (one line) if it cannot be opened."""
+    from . import outdir
+    return outdir.open_append(log_path)
 
 
 def last_error(log_path, tail=65536):

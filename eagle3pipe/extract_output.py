@@ -6,7 +6,6 @@ import os
 import time
 
 from . import cli, faults, files, outdir, verifier
-from .hidden_states import HS_NAME
 
 log = logging.getLogger("eagle3")
 SHARD_REPORT = ".shard-{}-of-{}.json"  # one per replica, written when it finishes
@@ -18,12 +17,14 @@ def engine_log(shard=None):
     return f"engine.shard-{shard[0]}-of-{shard[1]}.log" if shard else "engine.log"
 
 
-def owned(rows, shard=None):
-    """Every name stage 02 may write in its folder, exactly: hs_0 .. hs_{rows-1}, the manifest, the run record, the
-    engine's staging folder and, for N declared replicas, the N shard reports."""
-    reports = [SHARD_REPORT.format(k, shard[1]) for k in range(shard[1])] if shard else []
-    logs = [engine_log((k, shard[1])) for k in range(shard[1])] if shard else [engine_log()]
-    return outdir.Owned([files.MANIFEST, files.RUN_FILE, INCOMING, *reports, *logs], {HS_NAME: rows})
+def clear_spool(spool):
+    """Delete what an engine wrote into a spool folder this stage made: its hidden-state files and their locks, by
+    name, confined to the folder (outdir.remove_spool_file); anything else there stays."""
+    for name in os.listdir(spool):
+        if name.endswith(".safetensors"):
+            outdir.remove_spool_file(spool, os.path.join(spool, name))
+        elif name.endswith(".safetensors.lock") and not os.path.lexists(os.path.join(spool, name[:-5])):
+            outdir.remove_spool_file(spool, os.path.join(spool, name))
 
 
 def read_rows(jsonl, expected, vocab_size):
@@ -65,14 +66,14 @@ def prepare_output(args, plan):
     if args.dry_run:
         return identity, out
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data)]
-    out = outdir.claim("--output-dir", out, "extract", owned(plan.rows, args.shard), inputs, args.shard,
-                       overwrite=args.overwrite)
+    out = outdir.claim("--output-dir", out, "extract", inputs, args.shard, overwrite=args.overwrite)
     if not args.verify:
         files.begin_output(out)  # the manifest comes back once every row is accounted for
     staging = os.path.join(out, INCOMING)
-    for pid in os.listdir(staging) if os.path.isdir(staging) else []:  # our engine's leftovers from dead runs
-        if not pid.isdigit() or not outdir.pid_alive(int(pid)):
-            outdir.remove_path(os.path.join(staging, pid))
+    for pid in os.listdir(staging) if outdir.owned(staging) else []:  # our engine's leftovers from dead runs
+        if pid.isdigit() and not outdir.pid_alive(int(pid)) and outdir.owned(os.path.join(staging, pid)):
+            clear_spool(os.path.join(staging, pid))
+            outdir.remove(os.path.join(staging, pid))
     # the compute dtypes of the runs whose files are here (a resumed folder may mix them; the manifest says so)
     earlier = []
     if not args.overwrite and os.path.exists(run_file):

@@ -16,7 +16,8 @@ import signal
 import threading
 import time
 
-from . import faults
+from . import faults, outdir
+from .cli import RunError, UsageError
 from .hidden_states import SCALES, check_file, check_header, hs_path, load_checked, quantize_fp8, read_header, save
 
 log = logging.getLogger("eagle3")
@@ -47,7 +48,7 @@ def check_all(out_dir, rows, indices, n_states, hidden, workers=None):
 
 def scan_existing(out_dir, rows, n_states, hidden, indices=None):
     """Rows (of `indices`, default all) whose file is valid; invalid files are removed (they will be redone). A killed
-    writer's temporary files were removed when the folder was claimed (outdir.clean_temps: only dead processes')."""
+    writer's temporary files were removed when the folder was claimed (outdir.claim: recorded ones of dead writers)."""
     names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
     indices = range(len(rows)) if indices is None else indices
     cand = [i for i in indices if os.path.basename(hs_path(out_dir, i)) in names]
@@ -55,7 +56,8 @@ def scan_existing(out_dir, rows, n_states, hidden, indices=None):
     for i, reason in check_all(out_dir, rows, cand, n_states, hidden).items():
         if reason:
             log.warning(f"hs_{i}.safetensors: {reason}; it will be extracted again")
-            os.remove(hs_path(out_dir, i))
+            if outdir.remove(hs_path(out_dir, i)):
+                raise UsageError(f"{hs_path(out_dir, i)}: {reason}, and not the file this stage wrote; move it away")
         else:
             ok.add(i)
     return ok
@@ -74,11 +76,11 @@ class Writer:
     asked) or a Pending (HF: host tensors whose device-to-host copy completes at `event`)."""
 
     def __init__(self, out_dir, rows, n_states, hidden, on_done, storage="bf16", threads=1, depth=8, nan_rows=(),
-                 background=False):
+                 background=False, spool=None):
         self.q = queue.Queue(maxsize=depth)
         self.out_dir, self.rows, self.n_states, self.hidden, self.on_done = out_dir, rows, n_states, hidden, on_done
         self.storage, self.nan_rows, self.error, self.closed = storage, set(nan_rows), None, False
-        self.background = background
+        self.background, self.spool = background, spool  # engine files are used only inside `spool`
         self.threads = [threading.Thread(target=self._loop, daemon=True, name=f"hs-writer-{k}") for k in range(threads)]
         for t in self.threads:
             t.start()
@@ -86,7 +88,8 @@ class Writer:
     def _adopt(self, i, path):
         """A file our CPU connector wrote (CRC and finiteness in its header): check the header and token ids, then
         rename it into place; -> (True, reason or None). (False, None) for any other file: read and rewrite it."""
-        wait_for_engine_file(path)
+        if not wait_for_engine_file(path, self.spool):
+            return True, f"the engine named {outdir.quote(path)}, outside this run's spool; nothing was read or deleted"
         try:
             header = read_header(path)[0].get("__metadata__") or {}
         except (OSError, ValueError):
@@ -102,17 +105,17 @@ class Writer:
                 if f.get_tensor("token_ids").tolist() != list(self.rows[i]):
                     reason = "token_ids differ from the prepared row"
         if reason:
-            os.remove(path)
+            outdir.remove_spool_file(self.spool, path)
         else:
-            os.replace(path, hs_path(self.out_dir, i))
+            outdir.install(path, hs_path(self.out_dir, i))
         return True, reason
 
     def _tensors(self, i, result):
         """-> ({name: CPU tensor} to save, None) or (None, the reason the sample is bad)."""
         import torch
         if isinstance(result, str):
-            reason, tensors = load_engine_file(result, self.rows[i], self.n_states, self.hidden)
-            os.remove(result)
+            reason, tensors = load_engine_file(result, self.rows[i], self.n_states, self.hidden, self.spool)
+            outdir.remove_spool_file(self.spool, result)
             if reason:
                 return None, reason
             if i in self.nan_rows:  # fault injection: poison the states the real check below sees
@@ -169,19 +172,41 @@ class Writer:
             raise self.error
 
 
-def wait_for_engine_file(path):
-    """Return once the engine's writer thread has finished `path` (it holds `path`.lock until then)."""
+def wait_for_engine_file(path, spool, timeout=600):
+    """Return True once the engine's writer thread has finished `path` (it holds `path`.lock until then, and a dead
+    engine's lock is released with it), or False at once if `path` is not a file inside `spool`, the folder this
+    stage made for the engine: nothing outside it is read, waited on or deleted."""
     import fcntl
+    if spool is None or not outdir.confined(spool, path):
+        return False
     lock = path + ".lock"
-    if os.path.exists(lock):
-        with open(lock) as lf:
-            fcntl.flock(lf, fcntl.LOCK_SH)
-        os.remove(lock)
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.time() > deadline:
+                    raise RunError(f"{outdir.quote(path)}: the engine did not finish writing it in {timeout} s")
+                time.sleep(0.01)
+    finally:
+        os.close(fd)
+    if outdir.confined(spool, lock):
+        os.unlink(lock)
+    return True
 
 
-def load_engine_file(path, token_ids, n_states, hidden):
-    """A file vLLM's connector wrote: wait until it is complete, then -> (reason or None, tensors)."""
-    wait_for_engine_file(path)
+def load_engine_file(path, token_ids, n_states, hidden, spool):
+    """A file vLLM's connector wrote into `spool`: wait until it is complete, then -> (reason or None, tensors)."""
+    if not wait_for_engine_file(path, spool):
+        return f"the engine named {outdir.quote(path)}, outside this run's spool; nothing was read or deleted", None
     reason, tensors = load_checked(path, token_ids, n_states, hidden)
     return reason, tensors and {"hidden_states": tensors["hidden_states"]}
 
@@ -222,7 +247,7 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
 
     writer = Writer(out_dir, rows, n_states, hidden, on_done, storage=args.storage_dtype,
                     threads=writer_threads, depth=max(8, 2 * args.batch_size), nan_rows=nan_rows,
-                    background=background_writer)
+                    background=background_writer, spool=getattr(backend, "staging", None))
 
     def process(batch):
         try:

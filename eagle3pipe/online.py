@@ -32,9 +32,8 @@ import time
 import urllib.request
 from typing import Optional
 
-from . import compute
+from . import compute, outdir
 from .cli import RunError, UsageError
-from .outdir import TMP
 
 log = logging.getLogger("eagle3")
 
@@ -144,6 +143,7 @@ class Plan:
     max_len: int                 # the engine's max model length: the longest row plus the one generated token
     cache_bytes: int
     dtype: Optional[str] = None  # what the engine computes in (compute.py); None: an engine already running
+    spool: Optional[str] = None  # an engine already running: the folder it writes to (--engine-spool)
 
     @property
     def n_states(self):
@@ -164,7 +164,11 @@ def plan(s, fp, text_cfg, longest):
                   cache_bytes=int(s.cache_gb * 1e9))
     if s.engine_address:
         check_address("--engine-address", s.engine_address, s.model_path)
-        return Plan(address=s.engine_address, port=None, engine_cvd=None, trainer_cvd=None, tp=1, memory=0.0, **common)
+        if not os.path.isdir(s.engine_spool):
+            raise UsageError(f"--engine-spool {s.engine_spool}: not a folder; give the folder the engine at "
+                             f"--engine-address writes to")
+        return Plan(address=s.engine_address, port=None, engine_cvd=None, trainer_cvd=None, tp=1, memory=0.0,
+                    spool=os.path.abspath(s.engine_spool), **common)
     gpus = visible_gpus()
     engine_gpus, trainer_gpus = split_gpus(s.engine_gpus, len(gpus))
     shared = bool(engine_gpus) and set(engine_gpus) == set(trainer_gpus)
@@ -196,7 +200,7 @@ def launch(s, p, out, probe_ids):
     answer (`probe_ids`: a few tokens of the first row)."""
     engine = Engine(f"http://{p.address}/v1") if p.address else _start(s, p, out)
     try:
-        engine.probe(s.model_path, probe_ids, p.n_states, p.hidden_size)
+        engine.probe(s.model_path, probe_ids, p.n_states, p.hidden_size, spool_of(out, p))
     except RunError:
         engine.stop()
         raise
@@ -306,7 +310,7 @@ class Engine:
         raise RunError(f"the extraction engine did not answer at {self.url} within --engine-timeout {timeout} s; see "
                        f"{self.log_path}")
 
-    def probe(self, model, token_ids, n_states, hidden):
+    def probe(self, model, token_ids, n_states, hidden, spool):
         """One short request before training: the engine answers with a file this process can read, holding
         [T, n_states, hidden] states for exactly these tokens. An engine storing other layers (another --layer-ids,
         another model) or writing where this machine cannot read is refused here, not after the first batch."""
@@ -323,10 +327,13 @@ class Engine:
         if not path:
             raise RunError(f"the extraction engine at {self.url} returned no hidden_states_path: it runs without the "
                            f"hidden-states connector")
+        if not outdir.confined(spool, path):
+            raise RunError(f"the extraction engine at {self.url} wrote {outdir.quote(path)}, outside the spool "
+                           f"{spool}; nothing there is read or deleted: start it with --spool {spool}")
         try:
-            wait_for_engine_file(path)
+            wait_for_engine_file(path, spool)
             shape = read_header(path)[0]["hidden_states"]["shape"]
-            os.remove(path)
+            outdir.remove_spool_file(spool, path)
         except (OSError, ValueError, KeyError) as e:
             raise RunError(f"the extraction engine wrote {path}, which this process cannot read or delete ({e}); "
                            f"its spool must be on a filesystem stage 04 shares")
@@ -378,8 +385,8 @@ class CacheTransfer:
     """speculators' HiddenStatesTransfer for --online: hands the dataset the samples `OnlineArrowDataset` fetched,
     and keeps generated files in `cache_dir` while the budget allows. Picklable (data-loader workers are spawned)."""
 
-    def __init__(self, cache_dir, budget_bytes, skipped_log, concurrency, n_states, hidden, nan_rows=()):
-        self.cache_dir, self.budget, self.skipped_log = cache_dir, budget_bytes, skipped_log
+    def __init__(self, cache_dir, budget_bytes, skipped_log, concurrency, n_states, hidden, nan_rows=(), spool=None):
+        self.cache_dir, self.budget, self.skipped_log, self.spool = cache_dir, budget_bytes, skipped_log, spool
         self.n_states, self.hidden = n_states, hidden
         self.concurrency, self.nan_rows = concurrency, set(nan_rows)
         self.ready, self.local = {}, None
@@ -389,6 +396,7 @@ class CacheTransfer:
 
     def __setstate__(self, state):
         self.__dict__.update(state, ready={}, local=None)
+        outdir.attach(os.path.dirname(self.cache_dir))  # a spawned worker records what it caches in stage 04's record
 
     def _index(self):
         return getattr(self.local, "index", None) if self.local else None
@@ -419,7 +427,9 @@ class CacheTransfer:
         from .extraction import wait_for_engine_file
         from safetensors.torch import load_file
         path = params.get("hidden_states_path") or params.get("handle")
-        wait_for_engine_file(path)
+        if not wait_for_engine_file(path, self.spool):
+            raise RunError(f"the engine named {outdir.quote(path)}, outside the spool {self.spool}; nothing there is "
+                           f"read or deleted")
         tensors = load_file(path)
         if self._index() in self.nan_rows:  # fault injection: poison what speculators' check then sees
             tensors["hidden_states"] = tensors["hidden_states"].clone()
@@ -429,8 +439,10 @@ class CacheTransfer:
     def delete(self, handle):
         """After speculators has checked the sample: keep it in the cache if it fits, else delete it."""
         i = self._index()
+        if not outdir.confined(self.spool, handle):
+            return  # not the engine's file in our spool: never deleted
         if i is None or not self.budget or not self._keep(handle, i):
-            os.remove(handle)
+            outdir.remove_spool_file(self.spool, handle)
 
     def _keep(self, path, i):
         from .hidden_states import hs_path, read_header, save
@@ -440,24 +452,25 @@ class CacheTransfer:
                 return False
             b.used += size
         if "crc32" in (read_header(path)[0].get("__metadata__") or {}):
-            os.replace(path, dest)  # our CPU connector's or hf_server's file: already stage 02's format
+            outdir.install(path, dest)  # our CPU connector's or hf_server's file: already stage 02's format
         else:  # vLLM's GPU connector writes no checksum: rewrite it with one
             from safetensors.torch import load_file
             save(dest, load_file(path))
-            os.remove(path)
+            outdir.remove_spool_file(self.spool, path)
         return True
 
     def _release(self, path):
         with _BudgetLock(self.cache_dir) as b:
             try:
-                b.used = max(0, b.used - os.path.getsize(path))
-                os.remove(path)
+                size = os.path.getsize(path)
+                if not outdir.remove(path):
+                    b.used = max(0, b.used - size)
             except FileNotFoundError:
                 pass
 
     def skipped(self, file_idx, reason):
         line = json.dumps({"row": int(file_idx), "reason": reason[:300], "time": time.time()}) + "\n"
-        fd = os.open(self.skipped_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = outdir.open_append(self.skipped_log)
         try:
             os.write(fd, line.encode())  # one write with O_APPEND: lines of concurrent workers never interleave
         finally:
@@ -471,11 +484,12 @@ class _BudgetLock:
         self.path = os.path.join(folder, ".used")
 
     def __enter__(self):
-        self.fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = outdir.open_append(self.path + ".lock", os.O_RDWR)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
-            with open(self.path) as f:
-                self.used = self.before = int(f.read().strip() or 0)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd) as f:
+                self.used = self.before = int(f.read(32).strip() or 0)
         except (OSError, ValueError):
             self.used = self.before = 0
         return self
@@ -483,32 +497,28 @@ class _BudgetLock:
     def __exit__(self, *exc):
         try:
             if self.used != self.before:
-                tmp = self.path + ".tmp"
-                with open(tmp, "w") as f:
+                from .files import atomic_path
+                with atomic_path(self.path) as tmp, open(tmp, "w") as f:
                     f.write(str(self.used))
-                os.replace(tmp, self.path)
         finally:
             os.close(self.fd)
 
 
 def prepare_cache(cache_dir, budget_bytes):
-    """Rank 0, before training: the cache's files re-counted (a killed run may have left the count behind), files
-    over a smaller budget than last time dropped, temporary files of dead writers removed. -> (files, bytes)."""
+    """Rank 0, before training: the cache's files re-counted (a killed run may have left the count behind) and files
+    over a smaller budget than last time dropped; only files the record says this stage made count, or are deleted
+    (a killed writer's temporary files went when the folder was claimed). -> (files, bytes)."""
     from .hidden_states import HS_NAME
-    from .outdir import pid_alive
-    os.makedirs(cache_dir, exist_ok=True)
+    outdir.make_dir(cache_dir)
     names, used = [], 0
     for e in sorted(os.scandir(cache_dir), key=lambda e: e.name):
-        m = TMP.fullmatch(e.name)
-        if m and not pid_alive(int(m.group(2))):
-            os.remove(e.path)
-        elif e.name[3:-12].isdigit() and e.name == HS_NAME.format(int(e.name[3:-12])):  # not ours: hs_007..., notes
+        if e.name[3:-12].isdigit() and e.name == HS_NAME.format(int(e.name[3:-12])) and outdir.owned(e.path):
             names.append((int(e.name[3:-12]), e))
     kept = 0
     for i, e in sorted(names):
         size = e.stat().st_size
         if used + size > budget_bytes:
-            os.remove(e.path)
+            outdir.remove(e.path)
         else:
             used, kept = used + size, kept + 1
     with _BudgetLock(cache_dir) as b:
@@ -581,7 +591,7 @@ def install(out, p, url):
     from .faults import nan_rows
     cache_dir, logs = os.path.join(out, CACHE), os.path.join(out, "logs")
     transfer = CacheTransfer(cache_dir, p.cache_bytes, os.path.join(logs, SKIPPED), 64, p.n_states, p.hidden_size,
-                             nan_rows())
+                             nan_rows(), spool=spool_of(out, p))
     HiddenStatesTransfer.register(CacheTransfer)  # an ABC: ours is a virtual subclass
 
     class OnlineBackend(HiddenStatesBackend):
@@ -619,15 +629,20 @@ def stop_run(reason, out):
     os._exit(1)
 
 
+def spool_of(out, p):
+    """The one folder an engine's answers are used in: `<output-dir>/.online` for the engine stage 04 starts, or the
+    --engine-spool an engine at --engine-address writes to."""
+    return p.spool or os.path.join(out, SPOOL)
+
+
 def prepare(out, p):
-    """Rank 0, before the engine starts and before the other ranks read anything: the spool emptied (it holds only
-    files in flight: a killed run's are stale), the cache recounted, logs/ made."""
-    spool = os.path.join(out, SPOOL)
-    os.makedirs(spool, exist_ok=True)
-    for name in os.listdir(spool):  # what engines write there (and their locks and temporary names); nothing else
-        if name.endswith((".safetensors", ".safetensors.lock")) or TMP.fullmatch(name):
-            os.remove(os.path.join(spool, name))
-    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    """Rank 0, before the engine starts and before the other ranks read anything: the spool emptied of engine files
+    (it holds only files in flight: a killed run's are stale; anything else there stays), the cache recounted, logs/
+    made."""
+    from .extract_output import clear_spool
+    spool = spool_of(out, p) if p.spool else outdir.make_dir(os.path.join(out, SPOOL))
+    clear_spool(spool)
+    outdir.make_dir(os.path.join(out, "logs"))
     cache_dir = os.path.join(out, CACHE)
     files, used = prepare_cache(cache_dir, p.cache_bytes)
     if p.cache_bytes:

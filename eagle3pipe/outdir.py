@@ -1,35 +1,58 @@
-"""Output folders: which files a stage owns, the one-writer lock, and what a stage may delete.
+"""Output folders: what a stage made, the one-writer lock, and the only ways a stage writes, renames or deletes.
 
 The rules (an operator's folder holds their notes, their git repo, another run; losing one of their files is the
-worst bug this project can have):
+worst bug this project can have), each enforced here and nowhere else:
 - An output path is refused when it is empty, `/`, the home folder, the repository root, the working folder, an
   ancestor of any of those, an input of the same run, inside an input, or containing one. A symlink is resolved
   first, so the checks apply to the real folder.
-- A stage takes a folder only if it is new, empty (dot-files count: `.git/`, `.env` are someone's), or already
-  holds only this stage's files. Which files are a stage's is written in the folder first, in `OWNER`, by exact
-  name: `{"stage", "names": [...], "indexed": {"hs_{}.safetensors": N}}` (stage 02's N files hs_0 .. hs_{N-1}).
-- A stage deletes or replaces only names its `OWNER` lists (and their temporary files `.<name>.tmp-<pid>` of
-  processes that are gone); never by prefix or pattern, never the folder itself.
+- Ownership is identity, recorded after creation. `LEDGER` is an append-only record, one JSON line per thing the
+  stage made, written right after it exists: its path inside the folder and its identity (kind, device, inode, and
+  for a finished file its size and modification time). A user's file of the same name, or our file edited since,
+  does not match and is never deleted or replaced.
+- A stage takes a folder only if it is new, empty (dot-files count: `.git/`, `.env` are someone's), or every entry
+  at its top is one the record says the stage made. Inside its own subfolders it leaves anything else alone.
+- Nothing is written, renamed or deleted through a link the stage did not make: temporary files and the lock are
+  opened with O_CREAT|O_EXCL|O_NOFOLLOW (or O_NOFOLLOW), subfolders are made here and checked to be real folders,
+  and deletion removes a link itself, never its target.
+- A path another process hands back (an engine's file) is used only if it resolves inside a spool this stage made.
 - One writer per folder: an advisory lock (`LOCK`) held for the whole run. `--shard` replicas share it and each
   holds its own shard lock; any other second run is refused with one line naming the process that holds it.
 """
 import fcntl
 import json
+import logging
 import os
 import re
-import shutil
+import secrets
 import socket
+import stat
 import sys
+import threading
 
-from .cli import UsageError
+from .cli import RunError, UsageError
 
-OWNER = ".eagle3-owner.json"
+LEDGER = ".eagle3-owner.jsonl"
+OLD_RECORD = ".eagle3-owner.json"  # by-name records of earlier versions: their names cannot be told from a user's
 LOCK = ".eagle3.lock"
+SHARD_LOCK = re.compile(r"\.eagle3\.shard-\d+-of-\d+\.lock")
 # scripts/extract.sh opens its log before stage 02 starts: stage 02 accepts these, and never deletes them
 LAUNCHER = re.compile(r"extract(\.shard-\d+)?\.(log|pid)")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TMP = re.compile(r"\.(.+)\.tmp-(\d+)")
+MAX_LEDGER = 1 << 30  # bytes: a record longer than this was not written by a stage
+# kinds: a finished file (size and time must match), a growing file (a log: its inode), a folder, a link, a
+# temporary file (being written: its inode)
+KINDS = {"f", "g", "d", "l", "t"}
+log = logging.getLogger("eagle3")
 _held = []  # the open lock files: a lock lives as long as the process
+_ledgers = {}  # real folder -> Ledger, for the folders this process claimed
+_mutex = threading.Lock()
+
+
+def quote(path):
+    """A name for a one-line message: control characters and undecodable bytes escaped."""
+    text = os.fsdecode(path) if isinstance(path, bytes) else str(path)
+    return text.encode("unicode_escape", "backslashreplace").decode("ascii").replace("\\\\", "\\") \
+        if any(ord(c) < 32 or 0xDC80 <= ord(c) <= 0xDCFF or ord(c) == 127 for c in text) else text
 
 
 def _real(path):
@@ -63,70 +86,328 @@ def check_path(flag, path, inputs=()):
     return real
 
 
-def read_owner(folder):
-    path = os.path.join(folder, OWNER)
-    if not os.path.lexists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            m = json.load(f)
-        ok = isinstance(m, dict) and isinstance(m.get("stage"), str) and isinstance(m.get("names"), list) \
-            and isinstance(m.get("indexed", {}), dict)
-    except (OSError, ValueError, RecursionError):
-        ok = False
-    if not ok:
-        raise UsageError(f"{path}: unreadable ownership record; this folder's files cannot be told from others', "
-                         f"so it is left alone: choose another folder")
-    return m
+# ---------------------------------------------------------------------------------------------------- identity
+
+def identity(st):
+    """[kind, device, inode, size, mtime_ns] of an lstat result."""
+    kind = "d" if stat.S_ISDIR(st.st_mode) else "l" if stat.S_ISLNK(st.st_mode) else "f"
+    return [kind, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
 
 
-class Owned:
-    """The exact names a stage owns in a folder."""
+def matches(recorded, st):
+    kind, dev, ino = recorded[:3]
+    now = identity(st)
+    if (dev, ino) != tuple(now[1:3]):
+        return False
+    if kind in ("f",):
+        return now[0] == "f" and recorded[3:5] == now[3:5]
+    if kind in ("g", "t"):
+        return now[0] == "f"
+    return kind == now[0]
 
-    def __init__(self, names=(), indexed=None):
-        self.names = set(names) | {OWNER, LOCK}
-        self.indexed = dict(indexed or {})
+
+def _plain(rel):
+    parts = rel.split("/")
+    return 0 < len(rel) < 4096 and "\0" not in rel and all(p not in ("", ".", "..") for p in parts)
+
+
+class Ledger:
+    """The identities of what a stage made in one folder: {relative path: identity}, from `LEDGER`."""
+
+    def __init__(self, root, stage, entries):
+        self.root, self.stage, self.entries, self.fd = root, stage, entries, None
 
     @classmethod
-    def of(cls, record):
-        return cls(record.get("names", ()), record.get("indexed"))
+    def load(cls, root):
+        """The folder's record, or None if it has none; a malformed one is one line and nothing is touched."""
+        path = os.path.join(root, LEDGER)
+        bad = f"{quote(path)}: unreadable ownership record; this folder's files cannot be told from others', so it " \
+              f"is left alone: choose another folder"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            raise UsageError(bad)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_LEDGER:
+                raise UsageError(bad)
+            lines = f.read().splitlines()
+        try:
+            head = json.loads(lines[0])
+            if not (isinstance(head, dict) and isinstance(head.get("stage"), str) and head.get("version") == 2):
+                raise ValueError
+            entries = {}
+            for line in lines[1:]:
+                if not line.strip():
+                    continue
+                rel, ident = json.loads(line)
+                if not isinstance(rel, str) or not _plain(rel):
+                    raise ValueError
+                if ident is None:
+                    entries.pop(rel, None)
+                    continue
+                if not (isinstance(ident, list) and len(ident) == 5 and ident[0] in KINDS
+                        and all(type(x) is int for x in ident[1:])):
+                    raise ValueError
+                entries[rel] = ident
+        except (ValueError, TypeError, IndexError, RecursionError):
+            raise UsageError(bad)
+        return cls(root, head["stage"], entries)
 
-    def __or__(self, other):
-        idx = dict(self.indexed)
-        for k, n in other.indexed.items():
-            idx[k] = max(n, idx.get(k, 0))
-        return Owned(self.names | other.names, idx)
+    def owns(self, rel):
+        ident = self.entries.get(rel)
+        if ident is None:
+            return False
+        try:
+            return matches(ident, os.lstat(os.path.join(self.root, rel)))
+        except OSError:
+            return False
 
-    def __contains__(self, name):
-        if name in self.names:
-            return True
-        for template, n in self.indexed.items():
-            head, tail = template.split("{}")
-            mid = name[len(head): len(name) - len(tail)] if name.startswith(head) and name.endswith(tail) else ""
-            # exact decimal rendering only: hs_007.safetensors or hs_1_backup.safetensors are not ours
-            if mid.isdigit() and str(int(mid)) == mid and int(mid) < n:
-                return True
-        return False
+    def append(self, rel, ident):
+        line = (json.dumps([rel, ident]) + "\n").encode()
+        with _mutex:
+            if self.fd is None:
+                self.fd = os.open(os.path.join(self.root, LEDGER),
+                                  os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+            os.write(self.fd, line)  # one write with O_APPEND: replicas' lines never interleave
+            if ident is None:
+                self.entries.pop(rel, None)
+            else:
+                self.entries[rel] = ident
 
-    def temp_of(self, name):
-        """The owned name a temporary file `.<name>.tmp-<pid>` belongs to, and its pid; else (None, None)."""
-        m = TMP.fullmatch(name)
-        if m and (m.group(1) in self or "." + m.group(1) in self):
-            return m.group(1), int(m.group(2))
-        return None, None
+    def write_new(self, stage):
+        """A fresh, compacted record (only while holding the folder's exclusive lock)."""
+        tmp = _exclusive_temp(os.path.join(self.root, LEDGER))
+        with os.fdopen(tmp[1], "w", encoding="utf-8") as f:
+            f.write(json.dumps({"stage": stage, "version": 2}) + "\n")
+            for rel, ident in sorted(self.entries.items()):
+                f.write(json.dumps([rel, ident]) + "\n")
+        os.replace(tmp[0], os.path.join(self.root, LEDGER))
+        self.stage = stage
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
-    def record(self, stage):
-        return {"stage": stage, "names": sorted(self.names - {OWNER, LOCK}), "indexed": self.indexed}
+
+def _ledger_of(path):
+    """(ledger, path relative to its folder) for a path inside a folder this process claimed, else (None, None)."""
+    a = os.path.abspath(path)
+    for root, led in _ledgers.items():
+        if _inside(a, root) and a != root:
+            return led, os.path.relpath(a, root).replace(os.sep, "/")
+    return None, None
 
 
-def _foreign(folder, stage, owned):
-    """The first entry of `folder` this stage does not own (launcher logs count as stage 02's)."""
-    for name in sorted(os.listdir(folder)):
-        if name in owned or owned.temp_of(name)[0] or (stage == "extract" and LAUNCHER.fullmatch(name)):
+def attach(root):
+    """In a helper process of the lock holder (a spawned data-loader worker): record into the holder's folder too."""
+    real = os.path.realpath(root)
+    if real not in _ledgers and os.path.isfile(os.path.join(real, LEDGER)):
+        led = Ledger.load(real)
+        if led is not None:
+            _ledgers[real] = led
+
+
+def owned(path):
+    """True when `path` is inside a claimed folder and is what the stage made there."""
+    led, rel = _ledger_of(path)
+    return bool(led and led.owns(rel))
+
+
+def record(path, kind=None):
+    """Record what the stage just made at `path` (a file, a folder, a link; `kind` 'g' for a log that grows). Outside
+    a claimed folder (a model conversion, a test's own file) there is nothing to record."""
+    led, rel = _ledger_of(path)
+    if led is None:
+        return
+    ident = identity(os.lstat(path))
+    if kind:
+        ident[0] = kind
+    led.append(rel, ident)
+
+
+def record_tree(path):
+    """Record a folder another library wrote for this stage (speculators' checkpoint), and everything in it."""
+    record(path)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            record(os.path.join(dirpath, name))
+
+
+def forget(path):
+    led, rel = _ledger_of(path)
+    if led is not None and rel in led.entries:
+        led.append(rel, None)
+
+
+# ---------------------------------------------------------------------------------------------- the only writes
+
+def _exclusive_temp(path):
+    """(temporary path, fd) beside `path`, created with O_EXCL|O_NOFOLLOW: a planted file or link is never opened."""
+    d, name = os.path.split(os.path.abspath(path))
+    for _ in range(8):
+        tmp = os.path.join(d, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except FileExistsError:
             continue
-        return name
-    return None
+    raise RunError(f"{quote(d)}: cannot create a temporary file beside {quote(name)}")
 
+
+def new_temp(path):
+    """A fresh temporary file beside `path`, recorded (a killed writer's temporary is then the stage's to delete)."""
+    tmp, fd = _exclusive_temp(path)
+    os.close(fd)
+    record(tmp, "t")
+    return tmp
+
+
+def install(src, path):
+    """Rename the stage's finished file `src` onto `path`: only if nothing is there, or what is there is the stage's
+    own (a link at `path` is replaced, never followed). Then record it."""
+    check_replaceable(path)
+    os.replace(src, path)
+    forget(src)
+    record(path)
+
+
+def check_replaceable(path):
+    led, rel = _ledger_of(path)
+    if led is not None and os.path.lexists(path) and not led.owns(rel):
+        raise RunError(f"{quote(path)}: appeared during the run and is not this stage's; it is left alone: move it "
+                       f"away and rerun")
+
+
+def open_append(path, flags=os.O_WRONLY | os.O_APPEND):
+    """A file descriptor that appends to (or locks) a log or lock file of the stage's, created if absent; never
+    through a link, never someone else's file. -> fd (RunError, one line, otherwise)."""
+    led, rel = _ledger_of(path)
+    existed = os.path.lexists(path)
+    if led is not None and existed and not led.owns(rel):
+        raise RunError(f"{quote(path)}: is not this stage's file (a link, or someone else's); it is left alone: move "
+                       f"it away and rerun")
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise RunError(f"{quote(path)}: cannot open it ({'a link' if os.path.islink(path) else e.strerror}); move it "
+                       f"away and rerun")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RunError(f"{quote(path)}: not a plain file; move it away and rerun")
+    os.set_blocking(fd, True)
+    if not existed or (led is not None and led.entries.get(rel, ["g"])[0] != "g"):
+        record(path, "g")
+    return fd
+
+
+def make_dir(path):
+    """A subfolder the stage uses: made here and recorded, or one the record says it made. A link, a file, or a
+    folder someone else made is refused with one line, never followed or used."""
+    led, rel = _ledger_of(path)
+    if led is None:
+        os.makedirs(path, exist_ok=True)
+        return path
+    try:
+        os.mkdir(path)
+        record(path)
+        return path
+    except FileExistsError:
+        pass
+    if not led.owns(rel):
+        raise UsageError(f"{quote(path)}: {'a link' if os.path.islink(path) else 'not a folder this stage made'}; a "
+                         f"stage uses only folders it made: move it away and rerun")
+    return path
+
+
+def confined(spool, path):
+    """`path`, if it is a plain file directly or deeper inside the spool folder `spool` (both resolved); else None.
+    An engine's answer is used only through this."""
+    if not isinstance(path, str) or not path or "\0" in path or not spool:
+        return None
+    real, top = os.path.realpath(path), os.path.realpath(spool)
+    if not _inside(real, top) or real == top or os.path.realpath(os.path.dirname(path)) != os.path.dirname(real):
+        return None
+    try:
+        return path if stat.S_ISREG(os.lstat(path).st_mode) else None
+    except OSError:
+        return None
+
+
+def remove(path, dry_run=False):
+    """Delete what the stage made at `path`: a file or link whose identity matches the record, a folder's recorded
+    contents and then the folder if nothing else is left. -> the paths left because they are not the stage's (with
+    `dry_run`, the paths that would be left; nothing is deleted)."""
+    led, rel = _ledger_of(path)
+    if led is None or not led.owns(rel):
+        return [path] if os.path.lexists(path) else []
+    if led.entries[rel][0] != "d":
+        if not dry_run:
+            os.unlink(path)  # a link itself, never its target
+            forget(path)
+        return []
+    left = []
+    for name in sorted(os.listdir(path)):
+        left += remove(os.path.join(path, name), dry_run)
+    if not left and not dry_run:
+        os.rmdir(path)
+        forget(path)
+    return left
+
+
+def clear_scratch(folder, names):
+    """In a folder the stage made for another writer (an engine's spool, speculators' save in progress, datasets'
+    table being built), delete the regular files whose names fullmatch `names` (a regex): that writer's files, which
+    the record cannot list because another library made them. Nothing else there, and nothing in a folder the
+    stage did not make, is touched."""
+    if not owned(folder):
+        return
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if re.fullmatch(names, name) and (confined(folder, path) or (os.path.islink(path) and owned(path))):
+            os.unlink(path)
+            forget(path)
+
+
+def replace_dir(src, dst):
+    """Rename the stage's complete folder `src` onto `dst`, which must be absent or wholly the stage's (then deleted
+    first); the record follows the rename."""
+    led, rel = _ledger_of(src)
+    if os.path.lexists(dst):
+        left = remove(dst, dry_run=True)
+        if left:
+            raise RunError(f"{quote(dst)}: holds {quote(os.path.relpath(left[0], dst))}, which this stage did not make; "
+                           f"move it away and rerun (the new copy waits in {quote(src)})")
+        remove(dst)
+    os.rename(src, dst)
+    if led is None:
+        return
+    _, new = _ledger_of(dst)
+    for r, ident in sorted(led.entries.items()):
+        if r == rel or r.startswith(rel + "/"):
+            led.append(new + r[len(rel):], ident)
+            led.append(r, None)
+
+
+def symlink(target, path):
+    """Point the stage's link `path` at `target` (relative), replacing only the stage's own link there."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    os.symlink(target, tmp)
+    record(tmp, "l")
+    install(tmp, path)
+
+
+def remove_spool_file(spool, path):
+    """Delete a file an engine wrote into our spool (it is not in the record: another process made it), and its
+    `.lock`; a path outside the spool is never touched. -> True if `path` was the engine's to hand back."""
+    ok = confined(spool, path)
+    for p in (ok, ok and ok + ".lock"):
+        if p and confined(spool, p):
+            os.unlink(p)
+    return bool(ok)
+
+
+# --------------------------------------------------------------------------------------------- claim and lock
 
 def pid_alive(pid):
     try:
@@ -142,29 +423,40 @@ def _holder(folder, lock_name=LOCK):
     """Who holds a lock: its file's text; for the lock `--shard` replicas share, each replica's shard lock text."""
     names = [lock_name]
     if lock_name == LOCK:
-        names += sorted(n for n in os.listdir(folder) if n.startswith(".eagle3.shard-") and n.endswith(".lock"))
+        names += sorted(n for n in os.listdir(folder) if SHARD_LOCK.fullmatch(n))
     held = []
     for name in names:
         fd, free = _try_lock(folder, name, fcntl.LOCK_SH, create=False)
         if fd is not None:
             os.close(fd)
-        if not free or name == lock_name:
+        try:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             try:
-                with open(os.path.join(folder, name), encoding="utf-8") as f:
-                    text = f.read().strip()
-            except OSError:
-                text = ""
-            if text and (not free or len(names) == 1):
-                held.append(text)
+                text = os.read(fd, 4096).decode("utf-8", "replace").strip()
+            finally:
+                os.close(fd)
+        except OSError:
+            text = ""
+        if text and (not free or len(names) == 1):
+            held.append(quote(text))
     return "; ".join(held) or "another process"
 
 
 def _try_lock(folder, name, mode, create):
-    """An open file holding `mode` on folder/name, or None if another process holds a conflicting lock."""
+    """An open file holding `mode` on folder/name, or None if another process holds a conflicting lock. The lock file
+    is never a link: O_NOFOLLOW, and a link there is one line."""
     path = os.path.join(folder, name)
-    if not create and not os.path.exists(path):
+    if not create and not os.path.lexists(path):
         return None, True
-    fd = os.open(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY, 0o644)
+    try:
+        fd = os.open(path, ((os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
+                    | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise UsageError(f"{quote(path)}: cannot be the lock ({'a link' if os.path.islink(path) else e.strerror}); "
+                         f"a stage never opens a link it did not make: remove it and rerun")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(f"{quote(path)}: not a plain file; remove it and rerun")
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -173,19 +465,33 @@ def _try_lock(folder, name, mode, create):
     return fd, True
 
 
-def check(flag, path, stage, owned, inputs=(), shard=None):
+def _foreign(folder, stage, led):
+    """The first entry at the top of `folder` that is not what this stage made (launcher logs count as stage 02's)."""
+    for name in sorted(os.listdir(folder)):
+        if name in (LEDGER, LOCK) or SHARD_LOCK.fullmatch(name) or (stage == "extract" and LAUNCHER.fullmatch(name)):
+            continue
+        if led is not None and led.owns(name):
+            continue
+        if led is not None and name in led.entries:
+            return name, "it changed since this stage made it, or someone else put it there"
+        return name, "this stage did not make it" if led else "the folder is not empty and this stage did not make it"
+    return None, None
+
+
+def check(flag, path, stage, inputs=(), shard=None):
     """Every ownership rule, with no side effect (a dry run calls only this). -> the real path."""
     real = check_path(flag, path, inputs)
     if os.path.isdir(real):
-        old = read_owner(real)
-        if old and old["stage"] != stage:
-            raise UsageError(f"{flag} {path}: holds the output of stage '{old['stage']}'; choose another folder")
-        have = Owned.of(old) if old else Owned()
-        name = _foreign(real, stage, have)
+        if os.path.lexists(os.path.join(real, OLD_RECORD)):
+            raise UsageError(f"{flag} {path}: written by an earlier version of this pipeline, whose record names its "
+                             f"files but cannot tell them from yours; choose a new folder")
+        led = Ledger.load(real)
+        if led and led.stage != stage:
+            raise UsageError(f"{flag} {path}: holds the output of stage '{led.stage}'; choose another folder")
+        name, why = _foreign(real, stage, led)
         if name is not None:
-            what = "this stage did not make it" if old else "the folder is not empty and this stage did not make it"
-            raise UsageError(f"{flag} {path}: holds '{name}' ({what}); a stage never deletes or replaces what it "
-                             f"did not make: choose an empty or new folder")
+            raise UsageError(f"{flag} {path}: holds '{quote(name)}' ({why}); a stage never deletes or replaces what "
+                             f"it did not make: move it away, or choose an empty or new folder")
         if not os.access(real, os.W_OK):
             raise UsageError(f"{flag} {path}: not writable")
         for lock_name, mode in _locks(shard):
@@ -211,17 +517,18 @@ def _locks(shard):
     return [(LOCK, fcntl.LOCK_EX)]
 
 
-def claim(flag, path, stage, owned, inputs=(), shard=None, overwrite=False):
-    """Check, create the folder if new, take the lock for this process's life, record what this run may write
-    (`owned`, added to what earlier runs here recorded), and delete what a dead process left half-written. With
-    `overwrite`, delete every file earlier runs of this stage recorded (the folder and anything else stay).
-    -> the real path."""
-    real = check(flag, path, stage, owned, inputs, shard)
-    os.makedirs(real, exist_ok=True)
-    locks = _locks(shard)
-    if shard:  # every replica records every replica's lock name: their records stay the same whichever writes last
-        owned = owned | Owned([f".eagle3.shard-{k}-of-{shard[1]}.lock" for k in range(shard[1])])
-    for lock_name, mode in locks:
+def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
+    """Check, create the folder if new, take the lock for this process's life, delete what a dead writer of this
+    stage left half-written (recorded temporary files), and, with `overwrite`, everything earlier runs recorded
+    (anything else stays, and the log names it). -> the real path."""
+    real = check(flag, path, stage, inputs, shard)
+    try:
+        os.mkdir(real)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(real)
+    for lock_name, mode in _locks(shard):
         fd, free = _try_lock(real, lock_name, mode, create=True)
         if not free:  # another run took it since check()
             raise UsageError(f"{flag} {path}: in use by another run ({_holder(real, lock_name)}); wait for it to "
@@ -230,50 +537,33 @@ def claim(flag, path, stage, owned, inputs=(), shard=None, overwrite=False):
             os.ftruncate(fd, 0)
             os.write(fd, f"PID {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}\n".encode())
         _held.append(fd)
-    old = read_owner(real)
-    have = Owned.of(old) if old else Owned()
+    led = Ledger.load(real) or Ledger(real, stage, {})
+    if not shard:
+        led.write_new(stage)  # compacted; replicas share the record and only append
+    elif not os.path.lexists(os.path.join(real, LEDGER)):
+        try:
+            fd = os.open(os.path.join(real, LEDGER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            os.write(fd, (json.dumps({"stage": stage, "version": 2}) + "\n").encode())
+            os.close(fd)
+        except FileExistsError:
+            led = Ledger.load(real)  # another replica made it first
+    _ledgers[real] = led
+    for rel, ident in sorted(led.entries.items()):  # a dead writer's temporary files
+        if ident[0] == "t" and not _live_temp(rel):
+            remove(os.path.join(real, rel))
     if overwrite:
-        removed = remove_owned(real, have, keep=())
-        if removed:
-            import logging
-            logging.getLogger("eagle3").info(f"--overwrite: removed {removed} file(s) earlier runs of this stage "
-                                             f"made in {real} (nothing else)")
-    from .files import write_json
-    write_json(os.path.join(real, OWNER), (have | owned).record(stage))
-    clean_temps(real, have | owned)
+        removed, left = 0, []
+        for rel in sorted(r for r in led.entries if "/" not in r):
+            before = len(led.entries)
+            left += remove(os.path.join(real, rel))
+            removed += before - len(led.entries)
+        kept = f"; kept {len(left)} entries it did not make: " + ", ".join(
+            quote(os.path.relpath(p, real)) for p in left[:5]) + (" ..." if len(left) > 5 else "") if left else ""
+        if removed or left:
+            log.info(f"--overwrite: removed {removed} entries earlier runs of this stage made in {quote(real)}{kept}")
     return real
 
 
-def clean_temps(folder, owned):
-    """Delete temporary files of owned names whose writer process is gone (a live writer's are left alone)."""
-    for name in os.listdir(folder):
-        base, pid = owned.temp_of(name)
-        if base and pid != os.getpid() and not pid_alive(pid):
-            remove_path(os.path.join(folder, name))
-
-
-def remove_owned(folder, owned, keep=()):
-    """Delete the entries of `folder` that `owned` lists by exact name (except `keep` and the record and lock)."""
-    n = 0
-    for name in os.listdir(folder):
-        if name in (OWNER, LOCK) or name in keep or (name.startswith(".eagle3.shard-") and name.endswith(".lock")):
-            continue
-        if name in owned or owned.temp_of(name)[0]:
-            remove_path(os.path.join(folder, name))
-            n += 1
-    return n
-
-
-def remove_path(path):
-    """Delete one file, link or folder (callers decide it is theirs)."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-def add_owned(folder, names):
-    """Record more exact names before making them (the lock holder only)."""
-    from .files import write_json
-    rec = read_owner(folder)
-    write_json(os.path.join(folder, OWNER), (Owned.of(rec) | Owned(names)).record(rec["stage"]))
+def _live_temp(rel):
+    m = re.fullmatch(r".*\.tmp-(\d+)-[0-9a-f]+", rel.rsplit("/", 1)[-1])
+    return bool(m) and int(m.group(1)) != os.getpid() and pid_alive(int(m.group(1)))

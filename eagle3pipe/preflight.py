@@ -170,7 +170,6 @@ def resolve_prepared(flag, path):
 def plan(args):
     """Every check that needs no model load (`args`: settings.Extract) -> the Plan --dry-run prints."""
     from . import outdir, verifier
-    from .extract_output import owned as stage_owned
     jsonl, prep = resolve_prepared("--prepared-data", args.prepared_data)
     fp = verifier.fingerprint(args.model_path)
     verifier.check_remote_code(args.model_path, args.trust_remote_code)
@@ -218,15 +217,13 @@ def plan(args):
                     f"of samples per forward step, not the number of samples to extract (all are extracted)")
     else:
         log_warn = None
-    owned = stage_owned(counts["rows"], args.shard)
-    outdir.check("--output-dir", args.output_dir, "extract", owned,
-                 [("--model-path", args.model_path), ("--prepared-data", args.prepared_data)], args.shard)
+    outdir.check("--output-dir", args.output_dir, "extract", [("--model-path", args.model_path), ("--prepared-data", args.prepared_data)], args.shard)
     n_states = len(layer_ids)
     from .hidden_states import bytes_per_token
     disk_per_token = bytes_per_token(n_states, fp["hidden_size"], args.storage_dtype)
     disk_need = counts["tokens"] * disk_per_token
     # a resumed run needs only what its existing files do not already hold
-    have = sum(e.stat().st_size for e in os.scandir(args.output_dir) if e.name in owned) \
+    have = sum(e.stat().st_size for e in os.scandir(args.output_dir) if e.name.startswith("hs_")) \
         if os.path.isdir(args.output_dir) else 0
     free = free_disk(args.output_dir)
     if disk_need - have > free:

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 
-from . import compute, engine, faults
+from . import compute, engine, faults, outdir
 
 log = logging.getLogger("eagle3")
 ENGINE_LOG = "engine.log"  # in stage 01's output folder: what the vLLM engine prints
@@ -105,7 +105,7 @@ def run(records, tok, args, out):
                                          max_tokens=min(args.regen_max_tokens, args.max_seq_len - len(p) - 1))
                           for j, _, p in chunk]
                 outs = llm.generate([{"prompt_token_ids": p} for _, _, p in chunk], params, use_tqdm=False)
-                with open(path, "a", encoding="utf-8") as f:
+                with os.fdopen(outdir.open_append(path), "a", encoding="utf-8") as f:
                     for (j, m, _), o in zip(chunk, outs):
                         convs[j][m]["content"] = o.outputs[0].text
                         answers.append({"id": ids[j], "turn": turn, "text": o.outputs[0].text, "settings": settings})

@@ -191,6 +191,7 @@ class Train(Record):
     layer_ids: Optional[list[int]] = rule(ge=0)
     cache_gb: float = rule(ge=0)
     engine_address: Optional[str] = rule(path=True)
+    engine_spool: Optional[str] = rule(path=True)
     engine_gpus: Optional[list[int]] = rule(ge=0)
     engine_port: Optional[int] = rule(ge=1, le=65535)
     engine_memory: Optional[float] = rule(gt=0, le=1)
@@ -198,7 +199,7 @@ class Train(Record):
 
     # layer_ids and backend are shared with stage 02 (a config's top level gives both stages the same): offline,
     # stage 04 checks layer_ids against what stage 02 recorded and has no use for backend
-    ONLINE_ONLY = ("cache_gb", "engine_address", "engine_gpus", "engine_port", "engine_memory")
+    ONLINE_ONLY = ("cache_gb", "engine_address", "engine_spool", "engine_gpus", "engine_port", "engine_memory")
 
     def check(self):
         if not self.online:
@@ -211,10 +212,16 @@ class Train(Record):
             host, _, port = self.engine_address.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise UsageError(f"--engine-address {self.engine_address!r}: give host:port, e.g. 10.0.0.5:8000")
+            if self.engine_spool is None:
+                raise UsageError("--engine-address: give --engine-spool too, the folder that engine writes its files to "
+                                 "(its --spool); stage 04 reads and deletes an engine's files only inside it")
             clash = [f for f in ("engine_gpus", "engine_port", "engine_memory") if getattr(self, f) is not None]
             if clash:
                 raise UsageError(f"{_flag(clash[0])}: configures the engine stage 04 starts; with --engine-address "
                                  f"the engine is already running")
+        elif self.engine_spool is not None:
+            raise UsageError("--engine-spool: only with --engine-address; the engine stage 04 starts writes to "
+                             "<output-dir>/.online")
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,11 @@ from .files import MANIFEST, RUN_FILE, STAGE_SCRIPTS, load_stage
 from .hidden_states import check_header, hs_path, read_token_ids, verify_crc
 from .verifier import same_verifier
 
-# speculators' checkpoint names (its checkpointer and trainer) and ours, besides the epoch folders
-FIXED_NAMES = [MANIFEST, RUN_FILE, "logs", ".bridge", "last", ".last.tmp", "checkpoint_best", "interrupted", "run.yaml",
-               "train_command.txt", "speculators.patch"]
-
-
-def owned(epochs):
-    """What stage 04 may write in its folder, by exact name: per epoch e < epochs speculators' folder `e/` and its link
-    `epoch{e}_end`; mid-epoch links `epoch{e}_step{k}` are recorded as they are made (PipelineTrainer); with --online
-    the engine's spool, log and the sample cache."""
-    from .online import NAMES
-    return outdir.Owned(FIXED_NAMES + NAMES + [str(e) for e in range(epochs)] + [f"epoch{e}_end" for e in range(epochs)])
+STAGING = ".saving"  # speculators writes each checkpoint here; it is renamed into place once complete
+# what speculators writes into a checkpoint folder (a kill mid-save leaves some of them in STAGING/<epoch>)
+CHECKPOINT_FILES = r"(config|generation_config|training_state|val_metrics)\.json|model(-\d+-of-\d+)?\.safetensors" \
+                   r"(\.index\.json)?|(optimizer|scheduler)_state_dict\.pt|train_command\.txt|epoch\d+_(end|step\d+)"
+DATASET_FILES = r"data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|\.done"  # datasets' save_to_disk, and ours
 
 log = logging.getLogger("eagle3")
 
@@ -153,19 +147,18 @@ def read_rows(folder, prep):
 def build_bridge(rows, folder, engine_url=None):
     """Stage 01's rows as the Arrow table speculators' ArrowDataset reads. Row order is kept: row i <-> hs_i.
     Rows whose extraction failed stay in the table (their file is absent: speculators skips them). With --online the
-    engine's URL goes beside it, for the other ranks."""
+    engine's URL goes beside it, for the other ranks. Built in `<folder>.new` (made and recorded here) and renamed."""
     import datasets
     ds = datasets.Dataset.from_dict({"input_ids": [r[0] for r in rows], "loss_mask": [r[1] for r in rows],
                                      "seq_len": [len(r[0]) for r in rows]})
     ds.set_format(type="torch")
-    tmp = folder + f".tmp-{os.getpid()}"
-    ds.save_to_disk(tmp)
-    if os.path.isdir(folder):
-        import shutil
-        shutil.rmtree(folder)
-    os.rename(tmp, folder)
-    with open(os.path.join(folder, ".done"), "w") as f:
+    new = outdir.make_dir(folder + ".new")
+    outdir.clear_scratch(new, DATASET_FILES)  # a killed run's half-built table
+    ds.save_to_disk(new)
+    with open(os.path.join(new, ".done"), "w") as f:  # a fresh file in a folder this stage just filled
         f.write(engine_url or "")
+    outdir.record_tree(new)
+    outdir.replace_dir(new, folder)
 
 
 def wait_for_bridge(folder, timeout=600):
@@ -195,7 +188,7 @@ class DenseLog(logging.Handler):
         if not isinstance(msg, dict) or not ("train" in msg or "val" in msg):
             return
         if self.jsonl:
-            with open(self.jsonl, "a", encoding="utf-8") as f:
+            with os.fdopen(outdir.open_append(self.jsonl), "a", encoding="utf-8") as f:
                 f.write(json.dumps(msg, default=float) + "\n")
         if "train" not in msg:
             return
@@ -310,18 +303,92 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
             return super().run_training()
 
         def maybe_save_checkpoint(self, epoch, local_step=0):
-            if self.rank == 0 and isinstance(epoch, int):  # names this save may create, recorded before it does
-                outdir.add_owned(str(self.checkpointer.path), [str(epoch), f"epoch{epoch}_step{local_step}"])
-            super().maybe_save_checkpoint(epoch, local_step)
-            path = self.checkpointer.path / str(epoch)
-            if (self.rank == 0) and (path / "config.json").exists():
-                link = self.checkpointer.path / "last"
-                tmp = self.checkpointer.path / ".last.tmp"
-                if tmp.is_symlink():
-                    tmp.unlink()
-                tmp.symlink_to(str(epoch), target_is_directory=True)
-                os.replace(tmp, link)  # a stable pointer that is never missing
+            """speculators saves into STAGING/<epoch>; once complete it replaces <epoch> (a kill mid-save leaves the
+            previous checkpoint whole), and the links are made here."""
+            root = self.checkpointer.path
+            staged = root / STAGING / str(epoch)
+            if self.rank == 0:
+                outdir.make_dir(str(root / STAGING))
+                discard_staged(str(staged))
+                if epoch == "interrupted" and self.global_step == 0:
+                    return  # nothing trained: nothing to resume from
+            self.checkpointer.path = root / STAGING
+            try:
+                super().maybe_save_checkpoint(epoch, local_step)
+            finally:
+                self.checkpointer.path = root
+            if self.rank == 0 and (staged / "config.json").exists():
+                if epoch == "interrupted":  # speculators records no step for it: ours, so a rerun resumes from it
+                    per_epoch = max(1, len(self.train_loader))
+                    e, k = divmod(self.global_step, per_epoch)
+                    e, k = (e - 1, 0) if k == 0 else (e, k)
+                    with open(staged / "training_state.json", "w") as f:
+                        json.dump({"epoch": e, "local_step": k, "global_step": self.global_step}, f)
+                publish(str(root), str(epoch), local_step)
+
+        def maybe_update_best(self, epoch, val_metrics):
+            super().maybe_update_best(epoch, val_metrics)
+            if self.rank == 0:
+                for name in ("checkpoint_best", f"{epoch}/val_metrics.json"):
+                    if os.path.lexists(self.checkpointer.path / name):
+                        outdir.record(str(self.checkpointer.path / name))
     return PipelineTrainer
+
+
+def discard_staged(staged):
+    """A save that never completed (killed mid-way): speculators' files in it, by name, in a folder stage 04 made."""
+    if outdir.owned(staged):
+        outdir.clear_scratch(staged, CHECKPOINT_FILES)
+        left = outdir.remove(staged)
+        if left:
+            raise outdir.RunError(f"{outdir.quote(staged)}: holds {outdir.quote(os.path.basename(left[0]))}, which "
+                                  f"this stage did not make; move it away and rerun")
+
+
+def publish(root, epoch, local_step=0):
+    """A complete save in STAGING/<epoch> becomes <epoch>: recorded, the previous <epoch> replaced (only if all of it
+    is this stage's), then the `epoch{e}_{end|step}` and `last` links."""
+    staged = os.path.join(root, STAGING, epoch)
+    for name in os.listdir(staged):  # speculators' own readability link points inside STAGING: ours replaces it
+        if os.path.islink(os.path.join(staged, name)):
+            os.unlink(os.path.join(staged, name))
+    outdir.record_tree(staged)
+    outdir.replace_dir(staged, os.path.join(root, epoch))
+    links = {"last": epoch}
+    if epoch != "interrupted":
+        links[f"epoch{epoch}_{f'step{local_step}' if local_step > 0 else 'end'}"] = epoch
+        for name in os.listdir(root):  # the earlier link of this epoch
+            if name.startswith(f"epoch{epoch}_") and name not in links and outdir.owned(os.path.join(root, name)):
+                outdir.remove(os.path.join(root, name))
+    for name, target in links.items():
+        outdir.symlink(target, os.path.join(root, name))  # a stable pointer that is never missing
+
+
+def resume_state(out):
+    """Before speculators looks: a save killed mid-way is discarded (the previous checkpoint is whole), a complete one
+    still in STAGING is published, and `interrupted/` (a Ctrl-C or SIGTERM) becomes the epoch it stopped in, so the
+    rerun continues from the step it reached. -> a line saying which, or None."""
+    staging = os.path.join(out, STAGING)
+    said = None
+    if outdir.owned(staging):
+        for name in sorted(os.listdir(staging)):
+            path = os.path.join(staging, name)
+            if outdir.owned(path) and os.path.exists(os.path.join(path, "config.json")) and \
+                    not outdir.remove(path, dry_run=True):  # complete: every file in it recorded
+                publish(out, name)
+            else:
+                discard_staged(path)
+    interrupted = os.path.join(out, "interrupted")
+    state = os.path.join(interrupted, "training_state.json")
+    if outdir.owned(state):
+        with open(state) as f:
+            st = json.load(f)
+        epoch = str(st["epoch"])
+        outdir.replace_dir(interrupted, os.path.join(out, epoch))
+        outdir.remove(os.path.join(out, "last"))
+        outdir.symlink(epoch, os.path.join(out, "last"))
+        said = f"resuming from the interrupted checkpoint: epoch {st['epoch']}, step {st['global_step']}"
+    return said
 
 
 def print_serve_command(args, out, text_cfg, on_cpu):
@@ -337,10 +404,11 @@ def print_serve_command(args, out, text_cfg, on_cpu):
 
 def prepare_output(args, identity, inputs, rank):
     """Rank 0 takes the folder (outdir.claim: only stage 04's own, the lock, --overwrite of exactly what earlier runs
-    recorded) and resumes only with the same inputs. -> the real output path."""
+    recorded) and resumes only with the same inputs. -> (the real output path, the manifest a finished earlier run
+    left, or None)."""
     from .files import begin_output, read_json, write_json
     if rank != 0:
-        return os.path.realpath(args.output_dir)
+        return os.path.realpath(args.output_dir), None
     run_file = os.path.join(args.output_dir, RUN_FILE)
     if not args.overwrite and os.path.exists(run_file):
         old = read_json(run_file)
@@ -349,10 +417,15 @@ def prepare_output(args, identity, inputs, rank):
             what = next((k for k in identity if (old or {}).get(k) != identity[k]), "inputs")
             raise UsageError(f"--output-dir {args.output_dir}: holds checkpoints trained on other inputs ({what} "
                              f"differs); use --overwrite or another folder")
-    out = outdir.claim("--output-dir", args.output_dir, "train", owned(args.epochs), inputs, overwrite=args.overwrite)
+    out = outdir.claim("--output-dir", args.output_dir, "train", inputs, overwrite=args.overwrite)
+    said = resume_state(out)
+    if said:
+        log.info(said)
+    from .files import read_manifest
+    previous = None if args.overwrite else read_manifest(out)
     begin_output(out)
     write_json(os.path.join(out, RUN_FILE), {"stage": "train", "identity": identity})
-    return out
+    return out, previous
 
 
 def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16", engine_url=None, dtype="bfloat16"):
@@ -452,8 +525,7 @@ def run(cfg, args, on_cpu, dtype="bfloat16"):
     warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
     # float32 compute: autocast says it does not know float32 and turns itself off, which is the point
     warnings.filterwarnings("ignore", message=".*autocast.*(not supported|only supports).*")
-    logs = os.path.join(os.path.abspath(args.output_dir), "logs")
-    os.makedirs(logs, exist_ok=True)
+    logs = outdir.make_dir(os.path.join(os.path.abspath(args.output_dir), "logs"))
     dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"))
     setup = scli.setup_metric_logger
 
@@ -470,8 +542,16 @@ def run(cfg, args, on_cpu, dtype="bfloat16"):
     holder = {}
 
     class Recording(trainer_cls):
+        def setup_trainer(self):
+            super().setup_trainer()
+            holder["start_step"] = self.global_step
+
         def setup_model(self):
             holder["trainer"] = self
+            if int(os.environ.get("RANK", "0")) == 0:  # speculators rewrote these just before: ours again
+                for name in ("train_command.txt", "speculators.patch"):
+                    if os.path.lexists(os.path.join(logs, "..", name)):
+                        outdir.record(os.path.join(os.path.dirname(logs), name))
             super().setup_model()
     scli.Trainer = Recording
     with muon_in_float32(dtype):
@@ -479,6 +559,7 @@ def run(cfg, args, on_cpu, dtype="bfloat16"):
     t = holder.get("trainer")
     path = t.checkpointer.path if t else None
     real = lambda name: os.path.realpath(path / name) if path and (path / name).exists() else None  # noqa: E731
-    return {"steps": t.global_step if t else 0, "checkpoint_last": real("last"),
+    return {"steps": t.global_step if t else 0, "steps_this_run": (t.global_step - holder.get("start_step", 0)) if t else 0,
+            "checkpoint_last": real("last"),
             "checkpoint_best": real("checkpoint_best"), "best_val_loss": getattr(t, "best_val_loss", None),
             "data_wait_fraction": dense.wait_fraction}

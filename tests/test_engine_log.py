@@ -37,5 +37,5 @@ def test_a_link_at_the_logs_name_is_refused_not_followed(tmp_path):
     with pytest.raises(RunError) as e:
         with engine.engine_output(str(link)):
             pass
-    assert "a link or a folder stands there" in str(e.value) and "\n" not in str(e.value)
+    assert "(a link)" in str(e.value) and "\n" not in str(e.value)
     assert victim.read_text() == "a person's notes\n" and os.path.islink(link)

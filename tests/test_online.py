@@ -50,8 +50,11 @@ def closed_port():
 @pytest.mark.parametrize("extra,needles", [
     (["--cache-gb", "1"], ["--cache-gb", "only with --online"]),
     (["--online", "--engine-address", "nohost"], ["--engine-address", "host:port"]),
-    (["--online", "--engine-address", "127.0.0.1:{closed}"], ["no engine answers", "start it first"]),
-    (["--online", "--engine-address", "127.0.0.1:8000", "--engine-gpus", "0"], ["--engine-gpus", "already running"]),
+    (["--online", "--engine-address", "127.0.0.1:{closed}", "--engine-spool", "/tmp"], ["no engine answers", "start it first"]),
+    (["--online", "--engine-address", "127.0.0.1:8000"], ["--engine-spool", "reads and deletes an engine's files only"]),
+    (["--online", "--engine-spool", "/tmp"], ["--engine-spool", "only with --engine-address"]),
+    (["--online", "--engine-address", "127.0.0.1:8000", "--engine-spool", "/tmp", "--engine-gpus", "0"],
+     ["--engine-gpus", "already running"]),
     (["--online", "--engine-gpus", "0"], ["--engine-gpus 0", "no GPU visible"]),
     (["--online", "--engine-port", "{busy}"], ["--engine-port", "in use"]),
     (["--online", "--layer-ids", "2,40"], ["--layer-ids", "out of range"]),
@@ -83,11 +86,13 @@ def _sample(folder, i, ids, n_states=4, hidden=8):
 
 @pytest.mark.unit
 def test_cache_keeps_to_its_budget_recounts_and_regenerates_corrupt_files(tmp_path):
-    from eagle3pipe import online
-    cache, spool = tmp_path / "cache", tmp_path / "spool"
-    spool.mkdir()
+    from eagle3pipe import online, outdir
+    out = tmp_path / "out"
+    outdir.claim("--output-dir", str(out), "train")
+    cache, spool = out / "cache", out / "spool"
+    outdir.make_dir(str(spool))
     online.prepare_cache(str(cache), 10_000)
-    t = online.CacheTransfer(str(cache), 10_000, str(tmp_path / "skipped.jsonl"), 4, 4, 8)
+    t = online.CacheTransfer(str(cache), 10_000, str(tmp_path / "skipped.jsonl"), 4, 4, 8, spool=str(spool))
     t.local = type("L", (), {})()
     ids = list(range(100))  # 100 tokens x 4 states x 8 x 2 bytes = 6.4 KB of states per file: one fits, two do not
     kept = []
@@ -105,17 +110,20 @@ def test_cache_keeps_to_its_budget_recounts_and_regenerates_corrupt_files(tmp_pa
     assert t.from_cache(0, ids[::-1]) is None and not os.path.exists(hs_path(str(cache), 0))  # wrong tokens: dropped
     assert int((cache / ".used").read_text()) == 0
 
-    # a killed run's leftovers: a file the count missed, a dead writer's temporary file, a smaller budget next time
-    path, _ = _sample(str(spool), 7, ids)
-    os.replace(path, hs_path(str(cache), 7))
-    path, _ = _sample(str(spool), 8, ids)
-    os.replace(path, hs_path(str(cache), 8))
-    (cache / ".hs_9.safetensors.tmp-999999").write_bytes(b"x")
+    # a killed run's leftovers: files the count missed, a smaller budget next time; and a person's file of our name
+    for i in (7, 8):
+        path, _ = _sample(str(spool), i, ids)
+        outdir.install(path, hs_path(str(cache), i))
+    path, _ = _sample(str(tmp_path), 6, ids)
+    os.replace(path, hs_path(str(cache), 6))
     files, used = online.prepare_cache(str(cache), 10_000)
-    assert files == 1 and used <= 10_000 and sorted(os.listdir(cache)) == [".used", ".used.lock", "hs_7.safetensors"]
+    assert files == 1 and used <= 10_000
+    assert sorted(n for n in os.listdir(cache) if n.startswith("hs_")) == ["hs_6.safetensors", "hs_7.safetensors"]
+    st = os.stat(cache / "hs_7.safetensors")
     data = bytearray((cache / "hs_7.safetensors").read_bytes())
     data[-3] ^= 0x10
     (cache / "hs_7.safetensors").write_bytes(bytes(data))
+    os.utime(cache / "hs_7.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))  # a flipped bit: same size and time
     assert t.from_cache(7, ids) is None and not (cache / "hs_7.safetensors").exists()  # CRC: generated again
     t.skipped(np_int(5), "non-finite")
     assert json.loads((tmp_path / "skipped.jsonl").read_text())["row"] == 5
@@ -255,7 +263,8 @@ def test_external_engine_with_other_layers_is_refused_before_training(small, mod
         while "serving" not in (tmp_path / "engine.log").read_text() and time.time() < deadline:
             assert engine.poll() is None, (tmp_path / "engine.log").read_text()
             time.sleep(0.5)
-        p, _ = run_script(*online_args(model_path, small, tmp_path / "ck", "--engine-address", f"127.0.0.1:{port}"))
+        p, _ = run_script(*online_args(model_path, small, tmp_path / "ck", "--engine-address", f"127.0.0.1:{port}",
+                                      "--engine-spool", str(tmp_path / "spool")))
         errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
         assert p.returncode == 1 and len(errors) == 1, p.stderr[-3000:]
         assert "stores hidden states of shape [16, 3, 576]" in errors[0] and "[16, 4, 576]" in errors[0]

@@ -14,20 +14,119 @@ from eagle3pipe.cli import UsageError
 pytestmark = pytest.mark.unit
 
 
-def test_owned_names_are_exact():
-    own = outdir.Owned(["manifest.json", ".bridge"], {"hs_{}.safetensors": 12})
-    for name in ("manifest.json", "hs_0.safetensors", "hs_11.safetensors", outdir.OWNER, outdir.LOCK):
-        assert name in own, name
-    # names that only start or end like ours, other renderings of an index, indices past the recorded count
-    for name in ("manifest.json.bak", "hs_backup_2025", "hs_007.safetensors", "hs_12.safetensors", "hs_.safetensors",
-                 "hs_1.safetensors.bak", "2025", "Manifest.json", "hs_-1.safetensors", "hs_1 .safetensors"):
-        assert name not in own, name
-    assert own.temp_of(".hs_3.safetensors.tmp-123") == ("hs_3.safetensors", 123)
-    assert own.temp_of(".bridge.tmp-9") == ("bridge", 9)  # speculators' bridge folder: '.bridge' + '.tmp-<pid>'
-    assert own.temp_of(".notes.txt.tmp-5") == (None, None)
-    assert own.temp_of(".hs_3.safetensors.tmp-12x") == (None, None)
-    merged = own | outdir.Owned(["x"], {"hs_{}.safetensors": 3})
-    assert "x" in merged and "hs_11.safetensors" in merged  # a smaller later run keeps the earlier names
+def _claim(d, stage="vocab", **kw):
+    return outdir.claim("--output-dir", str(d), stage, **kw)
+
+
+def test_ownership_is_identity_recorded_after_creation(tmp_path):
+    d = tmp_path / "out"
+    _claim(d)
+    from eagle3pipe import files
+    files.write_json(str(d / "a.json"), {"x": 1})
+    assert outdir.owned(str(d / "a.json"))
+    assert not outdir.owned(str(d / "b.json"))  # never made: a name alone is nothing
+    os.remove(d / "a.json")
+    (d / "a.json").write_text("a person's file of the same name\n")
+    assert not outdir.owned(str(d / "a.json"))
+    assert outdir.remove(str(d / "a.json")) == [str(d / "a.json")] and (d / "a.json").exists()
+    with pytest.raises(cli.RunError, match="not this stage's"):  # and never replaced
+        files.write_json(str(d / "a.json"), {"x": 2})
+    assert (d / "a.json").read_text() == "a person's file of the same name\n"
+
+
+def test_folders_holding_anything_not_ours_are_refused(tmp_path):
+    for name in (".git", ".env", "notes.txt"):
+        d = tmp_path / name.strip(".")
+        d.mkdir()
+        (d / name).mkdir() if name == ".git" else (d / name).write_text("x")
+        with pytest.raises(UsageError, match=f"holds '{name}'"):
+            outdir.check("--output-dir", str(d), "vocab")
+    d = tmp_path / "other_stage"
+    d.mkdir()
+    _claim(d, "prepare")
+    with pytest.raises(UsageError, match="holds the output of stage 'prepare'"):
+        outdir.check("--output-dir", str(d), "vocab")
+
+
+@pytest.mark.parametrize("text", ["", "not json\n", '{"stage": "vocab", "version": 2}\n["../x", ["f", 1, 2, 3, 4]]\n',
+                                  '{"stage": "vocab", "version": 2}\n["a", ["f", "1", 2, 3, 4]]\n', "[1, 2]\n"])
+def test_a_malformed_record_is_one_line_and_nothing_is_touched(tmp_path, text):
+    d = tmp_path / "out"
+    d.mkdir()
+    (d / outdir.LEDGER).write_text(text)
+    with pytest.raises(UsageError, match="unreadable ownership record") as e:
+        outdir.check("--output-dir", str(d), "vocab")
+    assert "\n" not in str(e.value) and os.listdir(d) == [outdir.LEDGER]
+
+
+def test_links_planted_at_the_lock_the_temporaries_and_subfolders_are_never_followed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("a person's file\n")
+    d = tmp_path / "out"
+    d.mkdir()
+    (d / outdir.LOCK).symlink_to(victim)
+    with pytest.raises(UsageError, match="cannot be the lock \\(a link\\)"):
+        _claim(d)
+    os.remove(d / outdir.LOCK)
+    _claim(d)
+    (d / "sub").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(UsageError, match="a link"):
+        outdir.make_dir(str(d / "sub"))
+    from eagle3pipe import files
+    files.write_json(str(d / "m.json"), {})  # its temporary name is fresh and O_EXCL: a planted one is never opened
+    assert victim.read_text() == "a person's file\n"
+    assert outdir.remove(str(d / "sub")) == [str(d / "sub")] and os.listdir(tmp_path / "out" / "sub")
+
+
+def test_claim_removes_only_dead_writers_recorded_temps_and_overwrite_only_ours(tmp_path):
+    d = tmp_path / "out"
+    code = (f"import os, sys; sys.path.insert(0, {REPO!r}); from eagle3pipe import outdir; "
+            f"outdir.claim('--output-dir', {str(d)!r}, 'vocab'); t = outdir.new_temp({str(d / 'a.npy')!r}); "
+            f"os.mkdir({str(d / 'sub')!r}); outdir.record({str(d / 'sub')!r}); "
+            f"open({str(d / 'sub' / 'x.npy')!r}, 'w').write('ours'); outdir.record({str(d / 'sub' / 'x.npy')!r}); "
+            f"print(t)")
+    tmp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert os.path.exists(tmp)
+    (d / "sub" / "notes.txt").write_text("a person's notes inside our folder\n")
+    _claim(d, overwrite=True)
+    assert not os.path.exists(tmp)  # a dead writer's recorded temporary file
+    assert sorted(os.listdir(d / "sub")) == ["notes.txt"]  # ours went, theirs stayed (and so did the folder)
+
+
+def test_engine_paths_are_used_only_inside_the_spool(tmp_path):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    (spool / "hs.safetensors").write_text("x")
+    outside = tmp_path / "precious.safetensors"
+    outside.write_text("x")
+    (spool / "link.safetensors").symlink_to(outside)
+    assert outdir.confined(str(spool), str(spool / "hs.safetensors"))
+    for p in (str(outside), str(spool / "link.safetensors"), str(spool / ".." / "precious.safetensors"), "", None):
+        assert not outdir.confined(str(spool), p)
+        assert not outdir.remove_spool_file(str(spool), p)
+    assert outside.exists()
+
+
+def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
+    d = tmp_path / "out"
+    code = (f"import sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe import outdir; "
+            f"outdir.claim('--output-dir', {str(d)!r}, 'vocab'); print('held', flush=True); "
+            f"time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UsageError, match=f"in use by another run \\(PID {holder.pid} "):
+            outdir.check("--output-dir", str(d), "vocab")
+        # declared shard replicas share the folder, but one shard is never run twice
+        with pytest.raises(UsageError, match="in use by another run"):
+            outdir.check("--output-dir", str(d), "vocab", shard=(0, 2))
+    finally:
+        holder.kill()
+        holder.wait()
+    _claim(d, shard=(0, 2))  # the holder is gone: the lock went with it
+    outdir.check("--output-dir", str(d), "vocab", shard=(1, 2))
+    with pytest.raises(UsageError, match="in use by another run"):
+        outdir.check("--output-dir", str(d), "vocab")
 
 
 @pytest.mark.parametrize("path,needle", [
@@ -56,64 +155,6 @@ def test_outputs_that_are_inside_or_contain_an_input(tmp_path):
     with pytest.raises(UsageError, match="is the input"):
         outdir.check_path("--output-dir", str(link), [("--dataset", str(data))])
     assert outdir.check_path("--output-dir", str(tmp_path / "new"), [("--dataset", str(data))])
-
-
-def test_folders_holding_anything_not_ours_are_refused(tmp_path):
-    own = outdir.Owned(["manifest.json"])
-    for name in (".git", ".env", "notes.txt"):
-        d = tmp_path / name.strip(".")
-        d.mkdir()
-        (d / name).mkdir() if name == ".git" else (d / name).write_text("x")
-        with pytest.raises(UsageError, match=f"holds '{name}'"):
-            outdir.check("--output-dir", str(d), "vocab", own)
-    d = tmp_path / "other_stage"
-    d.mkdir()
-    outdir.claim("--output-dir", str(d), "prepare", own)
-    with pytest.raises(UsageError, match="holds the output of stage 'prepare'"):
-        outdir.check("--output-dir", str(d), "vocab", own)
-
-
-def test_claim_records_first_removes_only_dead_temps_and_overwrite_only_ours(tmp_path):
-    d = tmp_path / "out"
-    own = outdir.Owned(["a.npy", "manifest.json"])
-    assert outdir.claim("--output-dir", str(d), "vocab", own) == str(d)
-    assert outdir.read_owner(str(d))["names"] == ["a.npy", "manifest.json"]
-    (d / "a.npy").write_text("ours")
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout.strip()
-        (d / f".a.npy.tmp-{live.pid}").write_text("a live writer's")
-        (d / f".a.npy.tmp-{dead}").write_text("a dead writer's")
-        outdir.clean_temps(str(d), own)
-        assert (d / f".a.npy.tmp-{live.pid}").exists() and not (d / f".a.npy.tmp-{dead}").exists()
-    finally:
-        live.kill()
-    outdir.remove_owned(str(d), own)
-    assert set(os.listdir(d)) == {outdir.LOCK, outdir.OWNER}
-
-
-def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
-    d = tmp_path / "out"
-    own = outdir.Owned(["a.npy"])
-    code = (f"import sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe import outdir; "
-            f"outdir.claim('--output-dir', {str(d)!r}, 'vocab', outdir.Owned(['a.npy'])); print('held', flush=True); "
-            f"time.sleep(60)")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(UsageError, match=f"in use by another run \\(PID {holder.pid} "):
-            outdir.check("--output-dir", str(d), "vocab", own)
-        # declared shard replicas share the folder, but one shard is never run twice
-        with pytest.raises(UsageError, match="in use by another run"):
-            outdir.check("--output-dir", str(d), "vocab", own, shard=(0, 2))
-    finally:
-        holder.kill()
-        holder.wait()
-    outdir.claim("--output-dir", str(d), "vocab", own, shard=(0, 2))  # the holder is gone: the lock went with it
-    outdir.check("--output-dir", str(d), "vocab", own, shard=(1, 2))
-    with pytest.raises(UsageError, match="in use by another run"):
-        outdir.check("--output-dir", str(d), "vocab", own)
 
 
 def record(cls, **over):
