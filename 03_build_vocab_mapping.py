@@ -46,7 +46,7 @@ def main():
     from eagle3pipe.vocab import build_mapping
     freq_path = os.path.join(args.prepared_data, "token_freq.npy")
     try:
-        freq = np.load(freq_path)
+        freq = files.load_npy(freq_path)
     except (OSError, ValueError) as e:
         raise cli.UsageError(f"{freq_path}: unreadable ({e}); rerun 01_prepare_dataset.py")
     if freq.ndim != 1 or freq.shape[0] != vocab or not np.issubdtype(freq.dtype, np.integer):

@@ -48,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--loss-implementation", choices=["auto", "fused", "eager"], default="auto",
                    help="speculators' loss: auto = its Triton-fused loss where a seconds-long probe compiles it, else eager "
                         "(always on CPU)")
+    p.add_argument("--verify-data", action="store_true",
+                   help="check every hidden-state file's CRC before step 1 (default: each sample as it is read; at "
+                        "Kimi's scale a full pass takes hours)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="delete previous checkpoints in --output-dir first")
@@ -85,7 +88,8 @@ def main():
         outdir.check("--output-dir", args.output_dir, "train", inputs)
     layer_ids = verifier.resolve_layer_ids(args.layer_ids, fp["num_hidden_layers"]) if args.online else None
     # rank 0 reads every file against its checksum; the other ranks wait for its bridge
-    prep, ext, voc, rows, failed = training.check_inputs(args, fp, verify_data=rank == 0, online_layer_ids=layer_ids)
+    prep, ext, voc, rows, failed = training.check_inputs(args, fp, verify_data=rank == 0 and args.verify_data,
+                                                         online_layer_ids=layer_ids)
     longest = max(len(r[0]) for r in rows)
     if longest > args.total_seq_len:
         raise cli.UsageError(f"--total-seq-len {args.total_seq_len}: shorter than the longest row ({longest} tokens); "
@@ -120,6 +124,10 @@ def main():
     aux = ext["layer_ids"][:-1]  # the draft's inputs; the last id (n) is the verifier's last hidden state
     if states:
         online.install(out, states, url)
+    else:  # each sample checked where it is read: CRC, dtype, finite values
+        training.install_checked(training.CheckedFiles(os.path.abspath(args.hidden_states), len(ext["layer_ids"]),
+                                                       ext["verifier"]["hidden_size"],
+                                                       os.path.join(out, "logs", online.SKIPPED), len(rows), dtype.dtype))
     cfg = training.train_config(args, bridge, aux, on_cpu, voc["counts"]["draft_vocab_size"],
                                 storage=ext.get("storage_dtype", "bf16"), engine_url=url, dtype=dtype.dtype)
     log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(rows) - len(failed)} rows "
@@ -132,6 +140,8 @@ def main():
             server.stop()
     if states:
         result["online"] = online.summary(out, states)
+    else:
+        result["skipped_samples"] = training.skipped_rows(out)
     if os.path.basename(result["checkpoint_last"] or "") == "interrupted":  # SIGTERM/Ctrl-C: speculators saved it
         log.warning(f"stopped by a signal at step {result['steps']}; checkpoint {out}/interrupted; rerun the same "
                     f"command to resume")

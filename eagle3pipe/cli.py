@@ -12,6 +12,7 @@ Nothing here imports torch.
 """
 import argparse
 import difflib
+import errno
 import logging
 import os
 import re
@@ -25,22 +26,100 @@ class RunError(Exception):
     """A failure at run time that one line explains (an engine that died, say). Printed as one line, exit 1."""
 
 
+# errno -> what the operator does about it; the errors of a path they gave exit 2, the machine's state exits 1
+_OS_HINTS = {
+    errno.ENOSPC: (1, "the disk is full: free space (or choose another folder), then rerun the same command to resume"),
+    errno.EDQUOT: (1, "the disk quota is used up: free space, then rerun the same command to resume"),
+    errno.EFBIG: (1, "the file size limit was reached (ulimit -f, or the filesystem's): raise it, then rerun"),
+    errno.EIO: (1, "an I/O error: check the disk, then rerun the same command to resume"),
+    errno.EROFS: (2, "the filesystem is read-only: choose a writable folder"),
+    errno.EACCES: (2, "permission denied: check the path's permissions"),
+    errno.EPERM: (2, "operation not permitted: check the path's permissions"),
+    errno.ENAMETOOLONG: (2, "a name is too long for the filesystem: choose a shorter path"),
+    errno.ELOOP: (2, "too many levels of symbolic links (a link loop?): fix the path"),
+    errno.ENOENT: (2, "no such file or folder (was the working folder deleted?): check the path"),
+    errno.ENOTDIR: (2, "a part of the path is not a folder: check the path"),
+    errno.EISDIR: (2, "a folder stands where a file is expected: check the path"),
+    errno.EMFILE: (1, "too many open files: raise ulimit -n, then rerun"),
+}
+
+
+def oneline(text):
+    """`text` as one physical line: control characters and undecodable bytes (file names) escaped."""
+    out = []
+    for c in str(text):
+        if ord(c) < 32 or ord(c) == 127:
+            out.append(repr(c)[1:-1])  # \n, \x1b: a newline in a name never splits the line
+        elif 0xDC80 <= ord(c) <= 0xDCFF:  # a byte that is not UTF-8 (a Latin-1 file name), as Python decodes it
+            out.append(f"\\x{ord(c) - 0xDC00:02x}")
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def describe(e):
+    """Any exception as (exit code, one line): ours as they are; the OS's, memory, decoding and the libraries' own
+    (validation errors raised inside speculators, vLLM, transformers) with what it was and what to do."""
+    text = str(e)
+    if "Original Traceback" in text:  # re-raised from a data-loader worker: the worker's own last line says it
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        text = re.sub(r"^[\w.]+: ", "", last)
+    if isinstance(e, UsageError):
+        return 2, text
+    if isinstance(e, RunError):
+        return 1, text
+    if isinstance(e, OSError) and e.errno in _OS_HINTS:
+        code, hint = _OS_HINTS[e.errno]
+        names = " -> ".join(os.fsdecode(n) for n in (e.filename, e.filename2) if n is not None)
+        return code, f"{names + ': ' if names else ''}{e.strerror}; {hint}"
+    if isinstance(e, MemoryError):
+        return 1, "out of memory; lower --batch-size or --max-seq-len (or free memory), then rerun"
+    if isinstance(e, UnicodeError):
+        return 2, f"text that is not valid UTF-8 ({' '.join(str(e).split())[:200]}); fix or drop the record or name"
+    if isinstance(e, RecursionError):
+        return 2, "an input nested too deep to read; check the last file or record named above"
+    where = type(e).__module__.split(".")[0]
+    what = " ".join(str(e).split())[:300] or "no message"
+    origin = f" (raised in {where})" if where not in ("builtins", "eagle3pipe", "__main__") else ""
+    return 1, f"{type(e).__name__}{origin}: {what}; set EAGLE3_DEBUG=1 for the traceback"
+
+
 def run(main, exit_now=False):
-    """Run a script's main(); a UsageError becomes `error: ...` on stderr and exit code 2. `exit_now`: once main() has
-    returned (its files written, its lock no longer needed), leave without waiting for the interpreter's shutdown,
-    which in stage 04 waits minutes on data-loader and compile worker processes and their semaphores."""
+    """Run a script's main(); every failure becomes one line `error: ...` on stderr (cli.describe): exit code 2 for
+    input the operator fixes (a UsageError, a bad path), 1 for a failure at run time. EAGLE3_DEBUG=1 prints the
+    traceback first. `exit_now`: once main() has returned (its files written, its lock no longer needed), leave
+    without waiting for the interpreter's shutdown, which in stage 04 waits minutes on data-loader and compile
+    worker processes and their semaphores."""
     try:
         code = main()
-    except (UsageError, RunError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        code = 2 if isinstance(e, UsageError) else 1
-        if not exit_now:
-            sys.exit(code)
-    if exit_now:
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C); rerun the same command to resume", file=sys.stderr, flush=True)
+        code = 130
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the one place every failure becomes one line
+        if os.environ.get("EAGLE3_DEBUG"):
+            import traceback
+            traceback.print_exc()
+        code, line = describe(e)
+        try:
+            print(f"error: {oneline(line)}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
+    if "eagle3pipe.outdir" in sys.modules:  # the logs this run appended to, recorded as finished
+        try:
+            sys.modules["eagle3pipe.outdir"].finish()
+        except Exception:  # noqa: BLE001 - a record that cannot be updated leaves the folder as it was
+            pass
+    if exit_now or code not in (None, 0):
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code or 0)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:
+            pass
+        if exit_now:
+            os._exit(code or 0)
     sys.exit(code or 0)
 
 
@@ -115,14 +194,33 @@ def shard(text):
     return int(m.group(1)), int(m.group(2))
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config is a page of keys, not a data file
+MAX_ALIASES = 64  # anchors and aliases are fine in moderation; a "billion laughs" expansion is not a config
+
+
 def _yaml_loader():
-    """yaml's SafeLoader, refusing a key given twice in one mapping (yaml itself keeps the last silently)."""
+    """yaml's SafeLoader, refusing a key given twice in one mapping (yaml itself keeps the last silently), a key that
+    is not a plain scalar, and more than MAX_ALIASES aliases."""
     import yaml
 
     class Loader(yaml.SafeLoader):
+        aliases = 0
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.events.AliasEvent):
+                self.aliases += 1
+                if self.aliases > MAX_ALIASES:
+                    raise yaml.composer.ComposerError(None, None, f"more than {MAX_ALIASES} aliases",
+                                                      self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"a key must be a plain name, not a {key_node.id} (line "
+                                    f"{key_node.start_mark.line + 1})", key_node.start_mark)
                 key = self.construct_object(key_node, deep=deep)
                 if key in seen:
                     raise yaml.constructor.ConstructorError(
@@ -140,8 +238,13 @@ def load_config(path, section):
     import yaml
     from .settings import STAGES, config_keys, kind
 
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise UsageError(f"--config {path}: file not found")
+    if not os.path.isfile(path):
+        raise UsageError(f"--config {path}: not a regular file")
+    if os.path.getsize(path) > MAX_CONFIG_BYTES:
+        raise UsageError(f"--config {path}: {os.path.getsize(path):,} bytes; a config is at most "
+                         f"{MAX_CONFIG_BYTES:,} bytes of keys")
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.load(f, Loader=_yaml_loader()) or {}
@@ -181,7 +284,8 @@ def _check_key(path, key, value, allowed, where, kind):
     try:
         _check_type(key, value, hint_type)
     except UsageError:
-        raise UsageError(f"--config {path}: key '{where}{key}' must be {kind(hint_type)}, got {value!r}")
+        import reprlib
+        raise UsageError(f"--config {path}: key '{where}{key}' must be {kind(hint_type)}, got {reprlib.repr(value)}")
 
 
 def parse_args(parser, section, argv=None, required=(), derive=None):

@@ -30,7 +30,7 @@ def clear_spool(spool):
 def read_rows(jsonl, expected, vocab_size):
     """Stage 01's rows, each checked (before the model loads): a list of token ids inside the verifier's vocab."""
     rows = []
-    with open(jsonl, "rb") as f:
+    with files.open_input(jsonl, "rb") as f:
         for lineno, line in enumerate(f, 1):
             try:
                 ids = json.loads(line)["input_ids"]

@@ -41,6 +41,25 @@ def atomic_path(path):
             outdir.forget(tmp)
 
 
+def open_input(path, mode="r", **kw):
+    """Open an input for reading, only if it is a regular file: a FIFO, a device or a socket given as an input is
+    one line at once, never a read that waits forever."""
+    import stat
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
+                "a socket" if stat.S_ISSOCK(st.st_mode) else "a device"
+            from .cli import oneline
+            raise UsageError(f"{oneline(path)}: is {kind}, not a regular file; give a file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, mode, **kw)
+
+
 def write_json(path, obj):
     with atomic_path(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -106,6 +125,23 @@ def save_npy(path, array):
             np.save(f, array)
 
 
+def load_npy(path, max_bytes=1 << 32):
+    """np.load of an input, after its header is checked against the file's size: a header that claims terabytes is
+    refused before anything is allocated (ValueError)."""
+    import numpy as np
+    with open_input(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        from numpy.lib import format as npy
+        version = npy.read_magic(f)
+        read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+        shape, _, dtype = read(f)
+        need = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if need > min(size - f.tell(), max_bytes) or dtype.hasobject:
+            raise ValueError(f"its header claims {need:,} bytes of {dtype} {shape}, the file holds {size - f.tell():,}")
+        f.seek(0)
+        return np.load(f, allow_pickle=False)
+
+
 def package_versions():
     out = {}
     for name in PACKAGES:
@@ -158,7 +194,7 @@ def content_id(obj):
 
 def read_json(path):
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_input(path, encoding="utf-8") as f:
             return json.load(f)
     except RecursionError:
         raise UsageError(f"{path}: unreadable (JSON nested too deep)")

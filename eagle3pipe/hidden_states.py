@@ -98,7 +98,8 @@ _CHUNK = 1 << 20  # fits in a core's L2 cache
 def read_header(path):
     """-> (header dict, data offset, file size); raises ValueError/OSError on a truncated or foreign file."""
     size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    from .files import open_input
+    with open_input(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise ValueError("shorter than a safetensors header")
@@ -134,6 +135,31 @@ def check_header(path, n_tokens, n_states, hidden):
     return None
 
 
+def load_sample(path, n_states, hidden):
+    """A training sample read once and checked where it is read: header (shapes, dtypes, size), CRC-32 over the data
+    as read, finite values. -> (None, {name: tensor}) or (the reason, None)."""
+    import torch
+    from safetensors.torch import load as load_bytes
+    try:
+        header, start, size = read_header(path)
+        n_tokens = (header.get("token_ids") or {}).get("shape", [None])[0]
+        reason = check_header(path, n_tokens, n_states, hidden)
+        if reason:
+            return reason, None
+        from .files import open_input
+        with open_input(path, "rb") as f:
+            data = f.read()
+        want = (header.get("__metadata__") or {}).get("crc32")
+        if want is not None and f"{zlib.crc32(memoryview(data)[start:]):08x}" != want:
+            return "checksum mismatch: corrupt data", None
+        tensors = load_bytes(data)
+    except Exception as e:  # noqa: BLE001 - any way a file is unreadable makes the sample unavailable, named
+        return f"unreadable ({type(e).__name__}: {str(e)[:80]})", None
+    if not torch.isfinite(tensors[SCALES] if SCALES in tensors else tensors["hidden_states"]).all():
+        return "non-finite values", None
+    return None, tensors
+
+
 def verify_crc(path):
     """None when the data section matches the header's CRC-32 (or the file carries none), else the reason."""
     header, start, _ = read_header(path)
@@ -141,7 +167,8 @@ def verify_crc(path):
     if want is None:
         return None
     crc = 0
-    with open(path, "rb") as f:
+    from .files import open_input
+    with open_input(path, "rb") as f:
         f.seek(start)
         while chunk := f.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
@@ -154,7 +181,8 @@ def read_token_ids(path):
     header, start, _ = read_header(path)
     tid = header["token_ids"]
     a, b = tid["data_offsets"]
-    with open(path, "rb") as f:
+    from .files import open_input
+    with open_input(path, "rb") as f:
         f.seek(start + a)
         return np.frombuffer(f.read(b - a), dtype="<i8").tolist()
 

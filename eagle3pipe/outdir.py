@@ -29,7 +29,7 @@ import stat
 import sys
 import threading
 
-from .cli import RunError, UsageError
+from .cli import RunError, UsageError, oneline
 
 LEDGER = ".eagle3-owner.jsonl"
 OLD_RECORD = ".eagle3-owner.json"  # by-name records of earlier versions: their names cannot be told from a user's
@@ -45,14 +45,13 @@ KINDS = {"f", "g", "d", "l", "t"}
 log = logging.getLogger("eagle3")
 _held = []  # the open lock files: a lock lives as long as the process
 _ledgers = {}  # real folder -> Ledger, for the folders this process claimed
+_growing = set()  # the logs this process appends to (outdir.finish)
 _mutex = threading.Lock()
 
 
 def quote(path):
     """A name for a one-line message: control characters and undecodable bytes escaped."""
-    text = os.fsdecode(path) if isinstance(path, bytes) else str(path)
-    return text.encode("unicode_escape", "backslashreplace").decode("ascii").replace("\\\\", "\\") \
-        if any(ord(c) < 32 or 0xDC80 <= ord(c) <= 0xDCFF or ord(c) == 127 for c in text) else text
+    return oneline(os.fsdecode(path) if isinstance(path, bytes) else path)
 
 
 def _real(path):
@@ -88,20 +87,42 @@ def check_path(flag, path, inputs=()):
 
 # ---------------------------------------------------------------------------------------------------- identity
 
-def identity(st):
-    """[kind, device, inode, size, mtime_ns] of an lstat result."""
+HEAD = 4096  # a finished file's identity includes a hash of its first bytes (our files' headers and checksums)
+
+
+def _head_hash(path):
+    import hashlib
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    try:
+        return hashlib.sha256(os.read(fd, HEAD)).hexdigest()[:16]
+    finally:
+        os.close(fd)
+
+
+def identity(st, path=None):
+    """[kind, device, inode, size, mtime_ns, head hash ('' unless a finished file's `path` is given)] of an lstat
+    result."""
     kind = "d" if stat.S_ISDIR(st.st_mode) else "l" if stat.S_ISLNK(st.st_mode) else "f"
-    return [kind, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    return [kind, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, _head_hash(path) if path and kind == "f" else ""]
 
 
-def matches(recorded, st):
-    kind, dev, ino = recorded[:3]
+def matches(recorded, st, path):
+    """Whether what is at `path` now (lstat `st`) is what the record says the stage made there. The same inode, size
+    and time; or, for a folder copied elsewhere with its times kept (cp -a, rsync -a, shutil.copytree), the same
+    size, time and head hash. A folder or link matches by kind: deleting an empty folder or a link loses nothing,
+    and a folder is deleted only once everything in it was the stage's."""
+    kind = recorded[0]
     now = identity(st)
-    if (dev, ino) != tuple(now[1:3]):
-        return False
-    if kind in ("f",):
-        return now[0] == "f" and recorded[3:5] == now[3:5]
-    if kind in ("g", "t"):
+    same_inode = tuple(recorded[1:3]) == tuple(now[1:3])
+    if kind == "f":
+        return now[0] == "f" and recorded[3:5] == now[3:5] and (
+            same_inode or (bool(recorded[5]) and recorded[5] == _head_hash(path)))
+    if kind == "g":  # a log this stage appends to
+        return now[0] == "f" and same_inode
+    if kind == "t":  # a temporary file: its name is fresh and random, so the name identifies it too
         return now[0] == "f"
     return kind == now[0]
 
@@ -148,8 +169,8 @@ class Ledger:
                 if ident is None:
                     entries.pop(rel, None)
                     continue
-                if not (isinstance(ident, list) and len(ident) == 5 and ident[0] in KINDS
-                        and all(type(x) is int for x in ident[1:])):
+                if not (isinstance(ident, list) and len(ident) == 6 and ident[0] in KINDS
+                        and all(type(x) is int for x in ident[1:5]) and isinstance(ident[5], str)):
                     raise ValueError
                 entries[rel] = ident
         except (ValueError, TypeError, IndexError, RecursionError):
@@ -161,7 +182,8 @@ class Ledger:
         if ident is None:
             return False
         try:
-            return matches(ident, os.lstat(os.path.join(self.root, rel)))
+            path = os.path.join(self.root, rel)
+            return matches(ident, os.lstat(path), path)
         except OSError:
             return False
 
@@ -221,7 +243,7 @@ def record(path, kind=None):
     led, rel = _ledger_of(path)
     if led is None:
         return
-    ident = identity(os.lstat(path))
+    ident = identity(os.lstat(path), path if kind in (None, "f") else None)
     if kind:
         ident[0] = kind
     led.append(rel, ident)
@@ -298,7 +320,22 @@ def open_append(path, flags=os.O_WRONLY | os.O_APPEND):
     os.set_blocking(fd, True)
     if not existed or (led is not None and led.entries.get(rel, ["g"])[0] != "g"):
         record(path, "g")
+    if led is not None:
+        _growing.add(path)
     return fd
+
+
+def finish():
+    """At a normal exit: the logs this process appended to are finished files again (size, time and head hash), so
+    the folder still counts as the stage's after it is copied elsewhere with its times kept."""
+    for path in sorted(_growing):
+        led, rel = _ledger_of(path)
+        if led is not None and led.owns(rel):
+            try:
+                record(path)
+            except OSError:
+                pass
+    _growing.clear()
 
 
 def make_dir(path):

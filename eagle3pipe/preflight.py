@@ -103,7 +103,8 @@ def per_token_bytes(cfg, n_states, value_bytes=2):
 def read_rows(path):
     """Token count of each row of tokenized_data.jsonl (ids themselves are read later, by the run)."""
     lengths, max_id = [], -1
-    with open(path, "rb") as f:
+    from .files import open_input
+    with open_input(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             try:
                 row = json.loads(line)

@@ -184,6 +184,7 @@ class Train(Record):
     loss_implementation: str = rule(choices=("auto", "fused", "eager"))
     dtype: str = rule(choices=DTYPES)
     seed: int = rule()
+    verify_data: bool = rule()
     trust_remote_code: bool = rule()
     overwrite: bool = rule()
     online: bool = rule()

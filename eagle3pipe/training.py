@@ -13,9 +13,9 @@ import os
 import time
 
 from . import outdir
-from .cli import UsageError
+from .cli import RunError, UsageError
 from .files import MANIFEST, RUN_FILE, STAGE_SCRIPTS, load_stage
-from .hidden_states import check_header, hs_path, read_token_ids, verify_crc
+from .hidden_states import SCALES, check_header, hs_path, load_sample, read_token_ids, verify_crc
 from .verifier import same_verifier
 
 STAGING = ".saving"  # speculators writes each checkpoint here; it is renamed into place once complete
@@ -58,7 +58,8 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
     import numpy as np
     d2t_path, t2d_path = (os.path.join(args.vocab_mapping, n) for n in ("d2t.npy", "t2d.npy"))
     try:
-        d2t, t2d = np.load(d2t_path), np.load(t2d_path)
+        from .files import load_npy
+        d2t, t2d = load_npy(d2t_path), load_npy(t2d_path)
     except (OSError, ValueError) as e:
         raise UsageError(f"--vocab-mapping {args.vocab_mapping}: unreadable d2t/t2d ({e}); rerun 03_build_vocab_mapping.py")
     k, v = voc["counts"]["draft_vocab_size"], fp["vocab_size"]
@@ -87,7 +88,7 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
         reason = check_header(hs_path(args.hidden_states, i), len(ids), n_states, hidden)
         if reason:
             bad.append((i, reason))
-    if not bad and verify_data:  # every byte against its CRC: a flipped bit must not reach the trainer
+    if not bad and verify_data:  # --verify-data: every byte against its CRC before step 1 (else as each is read)
         from concurrent.futures import ThreadPoolExecutor
 
         def verify(i):
@@ -101,6 +102,86 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
         raise UsageError(f"--hidden-states {args.hidden_states}: {len(bad)} bad file(s), e.g. hs_{i}.safetensors: "
                          f"{reason}; rerun {STAGE_SCRIPTS['extract']} (it redoes only those)")
     return prep, ext, voc, rows, failed
+
+
+CHECKED = "eagle3pipe-checked"  # our transfer's name in speculators' backend registry
+MAX_BAD_SHARE = 0.01  # of the rows: more bad samples than this (and more than one) stop the run
+
+
+class CheckedFiles:
+    """speculators' HiddenStatesTransfer for offline training: stage 02's files, each read once and checked where it
+    is read (hidden_states.load_sample: header, dtypes, CRC-32, finite values), not in a pass over every byte before
+    step 1. A bad sample is skipped and logged in logs/skipped.jsonl; more than MAX_BAD_SHARE of the rows (and more
+    than one) stop the run with one line. Picklable: data-loader workers get a copy."""
+
+    def __init__(self, folder, n_states, hidden, skipped_log, rows, dtype="bfloat16"):
+        self.folder, self.n_states, self.hidden, self.skipped_log = folder, n_states, hidden, skipped_log
+        self.rows, self.dtype = rows, dtype
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        outdir.attach(os.path.dirname(os.path.dirname(self.skipped_log)))  # a spawned worker logs into our record
+
+    def setup(self):
+        pass
+
+    def get_cached(self, file_idx):
+        path = hs_path(self.folder, int(file_idx))
+        if not os.path.lexists(path):
+            return None  # a row stage 02 could not extract: speculators skips it
+        reason, t = load_sample(path, self.n_states, self.hidden)
+        if reason:
+            self.skip(int(file_idx), reason)
+            return None
+        states = t["hidden_states"]  # [T, L+1, H]
+        if SCALES in t:  # fp8 on disk: the trainer sees the compute dtype
+            import torch
+            from hs_connectors.fp8_utils import dequantize_fp8_tensor
+            states = dequantize_fp8_tensor(states, t[SCALES], dtype=getattr(torch, self.dtype))
+        return {"hidden_states": states, "token_ids": t["token_ids"]}
+
+    def get_generated(self, params):
+        return None
+
+    def delete(self, handle):
+        pass  # stage 02's files are its own: training never deletes them
+
+    def skip(self, i, reason):
+        log.warning(f"hs_{i}.safetensors: {reason}; sample skipped")
+        fd = outdir.open_append(self.skipped_log)
+        try:
+            os.write(fd, (json.dumps({"row": i, "reason": reason[:300], "time": time.time()}) + "\n").encode())
+        finally:
+            os.close(fd)
+        with open(self.skipped_log, encoding="utf-8") as f:
+            n = len({json.loads(line)["row"] for line in f if line.strip()})
+        if n > max(1, MAX_BAD_SHARE * self.rows):
+            raise RunError(f"--hidden-states {self.folder}: {n} of {self.rows} samples are bad (e.g. hs_{i}.safetensors: "
+                           f"{reason}), more than {MAX_BAD_SHARE:.0%}; rerun {STAGE_SCRIPTS['extract']} (it redoes "
+                           f"only those), then this command")
+
+
+def skipped_rows(out):
+    """How many samples CheckedFiles skipped in this folder's runs (logs/skipped.jsonl)."""
+    try:
+        with open(os.path.join(out, "logs", "skipped.jsonl"), encoding="utf-8") as f:
+            return len({json.loads(line)["row"] for line in f if line.strip()})
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def install_checked(transfer):
+    """Make `transfer` what speculators' loaders read offline, through its public registry."""
+    from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
+    HiddenStatesTransfer.register(CheckedFiles)  # an ABC: ours is a virtual subclass
+    holder = install_checked.__dict__.setdefault("current", [None])
+    holder[0] = transfer
+    if CHECKED not in HiddenStatesBackend.registry:
+        @HiddenStatesBackend.register(CHECKED)
+        class CheckedBackend(HiddenStatesBackend):
+            add_train_args = add_launch_args = staticmethod(lambda parser: None)
+            build_kv_transfer_config = staticmethod(lambda args: {})
+            from_train_args = staticmethod(lambda args, data_path: holder[0])
 
 
 def _stored_ids(args, i):
@@ -120,7 +201,8 @@ def read_rows(folder, prep):
     import hashlib
     path, rows, h = os.path.join(folder, "tokenized_data.jsonl"), Rows(), hashlib.sha256()
     try:
-        f = open(path, "rb")
+        from .files import open_input
+        f = open_input(path, "rb")
     except OSError as e:
         raise UsageError(f"--prepared-data {folder}: cannot read tokenized_data.jsonl ({e.strerror}); rerun "
                          f"{STAGE_SCRIPTS['prepare']}")
@@ -445,7 +527,7 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16
         "target_layer_ids": aux_layer_ids,
         "d2t_path": os.path.join(args.vocab_mapping, "d2t.npy"), "t2d_path": os.path.join(args.vocab_mapping, "t2d.npy"),
         "draft_vocab_size": None, "data_path": bridge, "hidden_states_path": os.path.abspath(args.hidden_states),
-        "hidden_states_backend": "fp8" if storage == "fp8" else "file",  # FP8Transfer dequantizes on load
+        "hidden_states_backend": CHECKED,  # each sample checked where read (CheckedFiles); fp8 dequantized there
         "on_missing": "skip", "total_seq_len": args.total_seq_len, "train_data_ratio": 1 - args.val_ratio,
         "num_workers": workers, "prefetch_factor": 4, "epochs": args.epochs, "lr": args.lr,
         "max_steps": args.max_steps, "scheduler_warmup_steps": args.warmup_steps,

@@ -9,9 +9,7 @@ import hashlib
 import json
 import os
 import re
-import socket
 import threading
-import time
 from urllib.parse import urlsplit
 
 from .cli import UsageError
@@ -24,37 +22,31 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def hub_reachable(timeout=2.0):
-    """Whether a TCP connection to the hub endpoint (or the HTTPS proxy) opens within `timeout` seconds in all.
-    Without this probe, huggingface_hub and datasets retry for tens of seconds and print pages of tracebacks."""
-    url = urlsplit(os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") or hub_endpoint())
-    if not url.hostname:
+def hub_reachable(timeout=3.0):
+    """Whether the hub endpoint (through the HTTPS proxy, if one is set) answers an HTTP request within `timeout`
+    seconds in all: name lookup, connection, TLS and the answer's status line. Any status counts as an answer; an
+    endpoint or proxy that accepts a connection and never answers does not. Without this probe, huggingface_hub
+    and datasets retry for tens of seconds (or minutes) and print pages of tracebacks."""
+    import urllib.error
+    import urllib.request
+    if not urlsplit(hub_endpoint()).hostname:
         return False
-    deadline = time.monotonic() + timeout
-    found = []
+    answered = []
 
-    def resolve():
+    def ask():
         try:
-            found.append(socket.getaddrinfo(url.hostname, url.port or (80 if url.scheme == "http" else 443),
-                                            type=socket.SOCK_STREAM))
-        except OSError:  # unknown name, no resolver: found stays empty
+            req = urllib.request.Request(hub_endpoint().rstrip("/") + "/api/models?limit=1", method="HEAD")
+            with urllib.request.urlopen(req, timeout=timeout):
+                answered.append(True)
+        except urllib.error.HTTPError:
+            answered.append(True)  # the server answered: that is all the probe asks
+        except Exception:  # no name, refused, reset, TLS failure, a timeout: not reachable
             pass
-    # getaddrinfo has no timeout of its own (a dead resolver blocks 5 s per try): a daemon thread bounds it
-    t = threading.Thread(target=resolve, daemon=True)
+    # urlopen's timeout is per socket operation; a daemon thread bounds the whole exchange (a dead resolver, too)
+    t = threading.Thread(target=ask, daemon=True)
     t.start()
     t.join(timeout)
-    for family, kind, proto, _, addr in (found[0] if found else []):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        try:
-            with socket.socket(family, kind, proto) as s:
-                s.settimeout(left)
-                s.connect(addr)
-            return True
-        except OSError:
-            continue
-    return False
+    return bool(answered)
 
 
 def hub_endpoint():
@@ -111,7 +103,8 @@ def model_files(model_path):
 def read_json(path):
     """A small JSON file the pipeline reads (a config); any way it is unreadable is one line naming it."""
     try:
-        with open(path, encoding="utf-8") as f:
+        from .files import open_input
+        with open_input(path, encoding="utf-8") as f:
             return json.load(f)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
         raise UsageError(f"{path}: not valid JSON ({e})")
@@ -141,7 +134,8 @@ def fingerprint(model_path):
         if os.path.isfile(p):
             found.append(name)
             h.update(name.encode())
-            with open(p, "rb") as f:
+            from .files import open_input
+            with open_input(p, "rb") as f:
                 h.update(hashlib.sha256(f.read()).digest())
     heads = tc.get("num_attention_heads")
     return {
@@ -171,7 +165,8 @@ def _transformers_knows():
 
     def read(path):
         try:
-            with open(path, encoding="utf-8") as f:
+            from .files import open_input
+            with open_input(path, encoding="utf-8") as f:
                 return f.read()
         except OSError:
             return ""

@@ -48,8 +48,8 @@ def test_folders_holding_anything_not_ours_are_refused(tmp_path):
         outdir.check("--output-dir", str(d), "vocab")
 
 
-@pytest.mark.parametrize("text", ["", "not json\n", '{"stage": "vocab", "version": 2}\n["../x", ["f", 1, 2, 3, 4]]\n',
-                                  '{"stage": "vocab", "version": 2}\n["a", ["f", "1", 2, 3, 4]]\n', "[1, 2]\n"])
+@pytest.mark.parametrize("text", ["", "not json\n", '{"stage": "vocab", "version": 2}\n["../x", ["f", 1, 2, 3, 4, ""]]\n',
+                                  '{"stage": "vocab", "version": 2}\n["a", ["f", "1", 2, 3, 4, ""]]\n', "[1, 2]\n"])
 def test_a_malformed_record_is_one_line_and_nothing_is_touched(tmp_path, text):
     d = tmp_path / "out"
     d.mkdir()
@@ -166,7 +166,7 @@ def record(cls, **over):
                 num_prompts=1, num_speculative_tokens=1, max_new_tokens=1, batch_sizes=[1], draft_vocab_size=8,
                 gpu_memory_utilization=0.5, regen_temperature=0.0, regen_max_tokens=1, regen_batch_size=1,
                 regen_tp_size=1, cache_gb=0.0, engine_timeout=60)
-    for flag in ("trust_remote_code", "regenerate", "verify", "dry_run", "overwrite", "fsdp", "online"):
+    for flag in ("trust_remote_code", "regenerate", "verify", "verify_data", "dry_run", "overwrite", "fsdp", "online"):
         base[flag] = False
     base.update(over)
     return cls(**{k: v for k, v in base.items() if k in cls.__dataclass_fields__})
