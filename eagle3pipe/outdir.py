@@ -87,7 +87,7 @@ def check_path(flag, path, inputs=()):
 
 # ---------------------------------------------------------------------------------------------------- identity
 
-HEAD = 4096  # a finished file's identity includes a hash of its first bytes (our files' headers and checksums)
+HEAD = 4096  # a finished file's identity includes a hash of its first bytes (a header and its checksum, a manifest)
 
 
 def _head_hash(path):
@@ -110,16 +110,21 @@ def identity(st, path=None):
 
 
 def matches(recorded, st, path):
-    """Whether what is at `path` now (lstat `st`) is what the record says the stage made there. The same inode, size
-    and time; or, for a folder copied elsewhere with its times kept (cp -a, rsync -a, shutil.copytree), the same
-    size, time and head hash. A folder or link matches by kind: deleting an empty folder or a link loses nothing,
-    and a folder is deleted only once everything in it was the stage's."""
+    """Whether what is at `path` now (lstat `st`) is what the record says the stage made there:
+    - its modification time to the nanosecond, on the same inode or on a copy that kept times (cp -a, rsync -a,
+      shutil.copytree): a file of ours whose data went bad, or that a dying disk truncated, is ours to redo;
+    - or its first bytes (HEAD) on the same inode, or with the same size on a copy (a bit flipped in a copy).
+    A file written in its place, even on a reused inode, has a new time and other first bytes: not ours.
+    A folder or link matches by kind: deleting an empty folder or a link loses nothing, and a folder is deleted only
+    once everything in it was the stage's."""
     kind = recorded[0]
     now = identity(st)
     same_inode = tuple(recorded[1:3]) == tuple(now[1:3])
     if kind == "f":
-        return now[0] == "f" and recorded[3:5] == now[3:5] and (
-            same_inode or (bool(recorded[5]) and recorded[5] == _head_hash(path)))
+        if now[0] != "f":
+            return False
+        same_head = bool(recorded[5]) and recorded[5] == _head_hash(path)
+        return recorded[4] == now[4] or (same_head and (same_inode or recorded[3] == now[3]))
     if kind == "g":  # a log this stage appends to
         return now[0] == "f" and same_inode
     if kind == "t":  # a temporary file: its name is fresh and random, so the name identifies it too
@@ -358,8 +363,8 @@ def make_dir(path):
 
 
 def confined(spool, path):
-    """`path`, if it is a plain file directly or deeper inside the spool folder `spool` (both resolved); else None.
-    An engine's answer is used only through this."""
+    """`path`, if it lies inside the spool folder `spool` (both resolved) and is a plain file or not there yet (an
+    engine may still be writing it); else None. An engine's answer is used only through this."""
     if not isinstance(path, str) or not path or "\0" in path or not spool:
         return None
     real, top = os.path.realpath(path), os.path.realpath(spool)
@@ -367,6 +372,8 @@ def confined(spool, path):
         return None
     try:
         return path if stat.S_ISREG(os.lstat(path).st_mode) else None
+    except FileNotFoundError:
+        return path
     except OSError:
         return None
 
@@ -439,7 +446,7 @@ def remove_spool_file(spool, path):
     `.lock`; a path outside the spool is never touched. -> True if `path` was the engine's to hand back."""
     ok = confined(spool, path)
     for p in (ok, ok and ok + ".lock"):
-        if p and confined(spool, p):
+        if p and confined(spool, p) and os.path.lexists(p):
             os.unlink(p)
     return bool(ok)
 
@@ -509,6 +516,8 @@ def _foreign(folder, stage, led):
             continue
         if led is not None and led.owns(name):
             continue
+        if _live_temp(name):  # a live writer's file in flight (a --shard replica's): never ours to touch, not a stranger
+            continue
         if led is not None and name in led.entries:
             return name, "it changed since this stage made it, or someone else put it there"
         return name, "this stage did not make it" if led else "the folder is not empty and this stage did not make it"
@@ -525,19 +534,19 @@ def check(flag, path, stage, inputs=(), shard=None):
         led = Ledger.load(real)
         if led and led.stage != stage:
             raise UsageError(f"{flag} {path}: holds the output of stage '{led.stage}'; choose another folder")
-        name, why = _foreign(real, stage, led)
-        if name is not None:
-            raise UsageError(f"{flag} {path}: holds '{quote(name)}' ({why}); a stage never deletes or replaces what "
-                             f"it did not make: move it away, or choose an empty or new folder")
         if not os.access(real, os.W_OK):
             raise UsageError(f"{flag} {path}: not writable")
-        for lock_name, mode in _locks(shard):
+        for lock_name, mode in _locks(shard):  # another run first: its files in flight are not a stranger's
             fd, free = _try_lock(real, lock_name, mode, create=False)
             if not free:
                 raise UsageError(f"{flag} {path}: in use by another run ({_holder(real, lock_name)}); wait for it "
                                  f"to finish or stop it first")
             if fd is not None:
                 os.close(fd)
+        name, why = _foreign(real, stage, led)
+        if name is not None:
+            raise UsageError(f"{flag} {path}: holds '{quote(name)}' ({why}); a stage never deletes or replaces what "
+                             f"it did not make: move it away, or choose an empty or new folder")
     else:
         parent = os.path.dirname(real)
         while not os.path.isdir(parent):

@@ -360,6 +360,32 @@ def muon_in_float32(dtype):
         muon._zeropower_via_newtonschulz = orig
 
 
+ARTIFACTS = ("run.yaml", "train_command.txt", "speculators.patch")  # speculators writes these beside the checkpoints
+
+
+@contextlib.contextmanager
+def recorded_artifacts(config_class):
+    """speculators writes its reproducibility files into the output folder at start (`TrainConfig.save`, plain
+    writes that would follow a link): only where nothing or our own file stands, and recorded right after."""
+    orig = config_class.save
+
+    def save(self, save_dir):
+        paths = [os.path.join(save_dir, n) for n in ARTIFACTS]
+        for p in paths:
+            if os.path.lexists(p) and not outdir.owned(p):
+                raise RunError(f"{outdir.quote(p)}: is not this stage's file (a link, or someone else's); it is left "
+                               f"alone: move it away and rerun")
+        orig(self, save_dir)
+        for p in paths:
+            if os.path.lexists(p):
+                outdir.record(p)
+    config_class.save = save
+    try:
+        yield
+    finally:
+        config_class.save = orig
+
+
 def make_trainer_class(dense_log, on_cpu, max_steps):
     from speculators.train.trainer import Trainer
 
@@ -630,13 +656,9 @@ def run(cfg, args, on_cpu, dtype="bfloat16"):
 
         def setup_model(self):
             holder["trainer"] = self
-            if int(os.environ.get("RANK", "0")) == 0:  # speculators rewrote these just before: ours again
-                for name in ("train_command.txt", "speculators.patch"):
-                    if os.path.lexists(os.path.join(logs, "..", name)):
-                        outdir.record(os.path.join(os.path.dirname(logs), name))
             super().setup_model()
     scli.Trainer = Recording
-    with muon_in_float32(dtype):
+    with muon_in_float32(dtype), recorded_artifacts(type(cfg)):
         scli.main(cfg)
     t = holder.get("trainer")
     path = t.checkpointer.path if t else None

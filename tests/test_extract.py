@@ -56,7 +56,7 @@ def test_preflight_refusals(prep, model_path, tmp_path):
     cfg["hidden_size"] = 640
     json.dump(cfg, open(other / "config.json", "w"))
     (tmp_path / "v").mkdir()
-    json.dump({"stage": "vocab", "names": ["manifest.json"]}, open(tmp_path / "v" / ".eagle3-owner.json", "w"))
+    (tmp_path / "v" / ".eagle3-owner.jsonl").write_text('{"stage": "vocab", "version": 2}\n')
     out = str(tmp_path / "hs")
     cases = [
         (["--data-path", str(prep)], ["unknown flag --data-path", "did you mean --prepared-data"]),
@@ -179,7 +179,9 @@ def test_kill_mid_run_then_resume(prep, model_path, tmp_path):
     assert 3 <= len(got) < n and not (out / "manifest.json").exists()
     # a truncated file under a final name (as a foreign tool or a dying disk might leave) is found and redone
     victim = out / got[0]
+    st = os.stat(victim)
     victim.write_bytes(victim.read_bytes()[:100])
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # a dying disk's truncation: the file's own time
     p, _ = run_script(*cmd[1:])
     assert p.returncode == 0, p.stderr
     assert "unreadable" in p.stderr and "will be extracted again" in p.stderr

@@ -186,7 +186,7 @@ def test_online_vllm_kill_resume_cache_and_skipped_sample(small, model_path, tmp
     err = open(tmp_path / "first.err", "w")
     proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, env=env)
     deadline = time.time() + 600
-    while time.time() < deadline and not (out / "last").exists():
+    while time.time() < deadline and not (out / "last").exists() and proc.poll() is None:
         time.sleep(0.2)
     assert (out / "last").exists(), (tmp_path / "first.err").read_text()[-3000:]
     family = _children(proc.pid)

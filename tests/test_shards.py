@@ -85,7 +85,7 @@ def test_fp8_storage_halves_the_disk_and_trains(prep, hf_out, model_path, tmp_pa
                       "--max-steps", "3", "--epochs", "50", "--total-seq-len", "512")
     assert p.returncode == 0, p.stderr
     man = json.load(open(tmp_path / "ck" / "manifest.json"))
-    assert man["steps"] == 3 and man["speculators_config"]["hidden_states_backend"] == "fp8"
+    assert man["steps"] == 3 and man["speculators_config"]["hidden_states_backend"] == "eagle3pipe-checked"
     # --max-steps ends the run: no empty epochs, each with its own checkpoint and validation, after it
     assert len([n for n in os.listdir(tmp_path / "ck") if n.isdigit()]) <= 3
 

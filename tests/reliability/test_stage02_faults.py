@@ -146,13 +146,19 @@ def test_corrupt_files_are_found_by_the_resume_and_redone(stages, model_path, tm
     data[len(data) // 2] ^= 0x01  # one flipped bit: same size, valid header
     f.write_bytes(bytes(data))
     g = out / "hs_3.safetensors"
-    g.write_bytes(g.read_bytes()[:1000])  # truncated
-    shutil.copy(out / "hs_0.safetensors", out / "hs_4.safetensors")  # a valid file of another row
+    st = os.stat(g)
+    g.write_bytes(g.read_bytes()[:1000])  # truncated, by a dying disk that kept the file's time
+    os.utime(g, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.remove(out / "hs_4.safetensors")
+    shutil.copy(out / "hs_0.safetensors", out / "hs_4.safetensors")  # a valid file of another row, put there by hand
+    p, secs = run_script(*cmd(model_path, stages["prepared"], out))
+    assert p.returncode == 2 and "holds 'hs_4.safetensors'" in p.stderr and secs < 30, p.stderr[-2000:]  # not ours
+    os.remove(out / "hs_4.safetensors")
     p, _ = run_script(*cmd(model_path, stages["prepared"], out))
     assert p.returncode == 0, p.stderr[-2000:]
     assert "hs_2.safetensors: checksum mismatch" in p.stderr
     assert "hs_3.safetensors: unreadable" in p.stderr or "hs_3.safetensors: size" in p.stderr, p.stderr
-    assert "hs_4.safetensors:" in p.stderr and "3 to go" in p.stderr
+    assert "3 to go" in p.stderr
     assert_complete(stages["prepared"], out)
 
 
