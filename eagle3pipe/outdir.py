@@ -106,7 +106,15 @@ def identity(st, path=None):
     """[kind, device, inode, size, mtime_ns, head hash ('' unless a finished file's `path` is given)] of an lstat
     result."""
     kind = "d" if stat.S_ISDIR(st.st_mode) else "l" if stat.S_ISLNK(st.st_mode) else "f"
-    return [kind, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, _head_hash(path) if path and kind == "f" else ""]
+    head = _head_hash(path) if path and kind == "f" else _target(path) if path and kind == "l" else ""
+    return [kind, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, head]
+
+
+def _target(path):
+    try:
+        return os.readlink(path)[:1024]
+    except OSError:
+        return ""
 
 
 def matches(recorded, st, path):
@@ -114,9 +122,10 @@ def matches(recorded, st, path):
     - its modification time to the nanosecond, on the same inode or on a copy that kept times (cp -a, rsync -a,
       shutil.copytree): a file of ours whose data went bad, or that a dying disk truncated, is ours to redo;
     - or its first bytes (HEAD) on the same inode, or with the same size on a copy (a bit flipped in a copy).
-    A file written in its place, even on a reused inode, has a new time and other first bytes: not ours.
-    A folder or link matches by kind: deleting an empty folder or a link loses nothing, and a folder is deleted only
-    once everything in it was the stage's."""
+    A file written in its place, even on a reused inode, has a new time and other first bytes: not ours. A link
+    matches by where it points; a folder by kind (deleting an empty folder loses nothing, and a folder is deleted
+    only once everything in it was the stage's).
+    """
     kind = recorded[0]
     now = identity(st)
     same_inode = tuple(recorded[1:3]) == tuple(now[1:3])
@@ -129,6 +138,8 @@ def matches(recorded, st, path):
         return now[0] == "f" and same_inode
     if kind == "t":  # a temporary file: its name is fresh and random, so the name identifies it too
         return now[0] == "f"
+    if kind == "l":
+        return now[0] == "l" and recorded[5] == _target(path)
     return kind == now[0]
 
 
@@ -248,7 +259,7 @@ def record(path, kind=None):
     led, rel = _ledger_of(path)
     if led is None:
         return
-    ident = identity(os.lstat(path), path if kind in (None, "f") else None)
+    ident = identity(os.lstat(path), path if kind in (None, "f", "l") else None)
     if kind:
         ident[0] = kind
     led.append(rel, ident)
@@ -402,13 +413,13 @@ def remove(path, dry_run=False):
 def clear_scratch(folder, names):
     """In a folder the stage made for another writer (an engine's spool, speculators' save in progress, datasets'
     table being built), delete the regular files whose names fullmatch `names` (a regex): that writer's files, which
-    the record cannot list because another library made them. Nothing else there, and nothing in a folder the
-    stage did not make, is touched."""
+    the record cannot list because another library made them, and links of those names (a link is removed itself,
+    never its target). Nothing else there, and nothing in a folder the stage did not make, is touched."""
     if not owned(folder):
         return
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
-        if re.fullmatch(names, name) and (confined(folder, path) or (os.path.islink(path) and owned(path))):
+        if re.fullmatch(names, name) and (os.path.islink(path) or confined(folder, path)):
             os.unlink(path)
             forget(path)
 

@@ -457,9 +457,9 @@ def publish(root, epoch, local_step=0):
     """A complete save in STAGING/<epoch> becomes <epoch>: recorded, the previous <epoch> replaced (only if all of it
     is this stage's), then the `epoch{e}_{end|step}` and `last` links."""
     staged = os.path.join(root, STAGING, epoch)
-    for name in os.listdir(staged):  # speculators' own readability link points inside STAGING: ours replaces it
-        if os.path.islink(os.path.join(staged, name)):
-            os.unlink(os.path.join(staged, name))
+    # speculators' own readability links (epoch{e}_end, made beside the staged save) point inside STAGING: ours
+    # replace them
+    outdir.clear_scratch(os.path.join(root, STAGING), r"epoch\d+_(end|step\d+)")
     outdir.record_tree(staged)
     outdir.replace_dir(staged, os.path.join(root, epoch))
     links = {"last": epoch}
@@ -496,6 +496,14 @@ def resume_state(out):
         outdir.remove(os.path.join(out, "last"))
         outdir.symlink(epoch, os.path.join(out, "last"))
         said = f"resuming from the interrupted checkpoint: epoch {st['epoch']}, step {st['global_step']}"
+    for name in sorted(os.listdir(out)):  # speculators resumes from these: every file in them must be the one we wrote
+        path = os.path.join(out, name)
+        if (name.isdigit() or name == "interrupted") and outdir.owned(path):
+            left = outdir.remove(path, dry_run=True)
+            if left:
+                raise UsageError(f"--output-dir {out}: {outdir.quote(os.path.relpath(left[0], out))} is not what this "
+                                 f"stage wrote (a link, or a file put there); a checkpoint is resumed only whole: move "
+                                 f"it away and rerun")
     return said
 
 

@@ -58,6 +58,7 @@ def one_line_or_success(p, what):
     assert "Traceback" not in p.stderr, (what, p.stderr[-3000:])
     if p.returncode != 0:
         assert len(lines) == 1, (what, p.returncode, p.stderr[-3000:])
+    print(f"{what}: exit {p.returncode} {lines[0][:150] if lines else ''}")
     return lines[0] if lines else ""
 
 
@@ -98,13 +99,13 @@ def test_stage01_and_03_on_hostile_folders(model_path, stages, tmp_path):
                           "--max-seq-len", "128", "--output-dir", str(out)]
     p, _ = run_script(*argv01(prep))
     assert p.returncode == 0, p.stderr
-    hostile(argv01, prep, tmp_path / "h01")
+    hostile(argv01, prep, tmp_path / "h01", overwrite=False)  # stages 01 and 03 rewrite their few files every run
     vocab = tmp_path / "vocab"
     argv03 = lambda out: ["03_build_vocab_mapping.py", "--prepared-data", str(stages["prepared"]),  # noqa: E731
                           "--draft-vocab-size", "512", "--output-dir", str(out)]
     p, _ = run_script(*argv03(vocab))
     assert p.returncode == 0, p.stderr
-    hostile(argv03, vocab, tmp_path / "h03")
+    hostile(argv03, vocab, tmp_path / "h03", overwrite=False)
 
 
 def test_stage02_on_a_hostile_folder(model_path, stages, tmp_path):
@@ -130,3 +131,12 @@ def test_stage04_on_a_hostile_folder(model_path, stages, trained, tmp_path):
     kinds = ("manifest.json", ".eagle3.lock", ".eagle3-owner.jsonl", "last", "logs", "logs/metrics.jsonl", "5",
              "5/model.safetensors", ".bridge", "checkpoint_best")
     hostile(argv, ckpt, tmp_path / "h04", pick=lambda n: n in kinds, overwrite=False)
+    # --overwrite with a person's notes in logs/ and in an epoch folder: every file the stage made goes, the notes
+    # and the folders holding them stay, the log says so, and the run refuses to resume from a folder not wholly its
+    (ckpt / "logs" / "notes.txt").write_text("a person's notes\n")
+    (ckpt / "2" / "notes.txt").write_text("a person's notes\n")
+    p, _ = run_script(*argv(ckpt), "--overwrite")
+    line = one_line_or_success(p, "--overwrite with notes")
+    assert "kept 2 entries it did not make" in p.stderr and "2/notes.txt" in line, p.stderr[-2000:]
+    assert (ckpt / "logs" / "notes.txt").read_text() == (ckpt / "2" / "notes.txt").read_text() == "a person's notes\n"
+    assert sorted(os.listdir(ckpt / "2")) == ["notes.txt"] and not (ckpt / "5").exists()

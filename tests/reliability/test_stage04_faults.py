@@ -42,6 +42,37 @@ def test_signal_during_training_then_resume(stages, model_path, tmp_path, sig):
     assert man["steps"] == int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
 
 
+def test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached(stages, model_path, tmp_path):
+    """Ctrl-C in the middle of an epoch (no periodic checkpoint there): the signal is acknowledged at once, an
+    `interrupted` checkpoint is saved whole, and the same command continues from the next step, not from the last
+    epoch boundary and never from step 1."""
+    out = tmp_path / "draft"
+    argv = train_args(model_path, stages, out, "--epochs", "2", "--total-seq-len", "512")
+    err = open(tmp_path / "first.err", "w")
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+    deadline, target = time.time() + 300, None
+    while time.time() < deadline and proc.poll() is None:
+        steps = re.findall(r"step (\d+)/(\d+)", (tmp_path / "first.err").read_text())
+        if steps and target is None:
+            target = int(steps[0][1]) // 2 + 2  # the second step of the second epoch
+        if steps and int(steps[-1][0]) >= target:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=300)
+    err.close()
+    first = (tmp_path / "first.err").read_text()
+    stopped_at = max(int(s) for s in re.findall(r"step (\d+)/", first))
+    assert rc != 0 and "Received SIGINT" in first and not (out / "manifest.json").exists(), first[-2000:]
+    assert (out / "interrupted" / "training_state.json").exists() and not os.path.exists(out / ".saving" / "interrupted")
+    p, _ = run_script(*argv)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming from the interrupted checkpoint" in p.stderr, p.stderr[-3000:]
+    steps = [int(s) for s in re.findall(r"step (\d+)/", p.stderr)]
+    assert steps[0] == stopped_at + 1, (stopped_at, steps)
+    assert json.load(open(out / "manifest.json"))["steps"] == int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
+
+
 def test_bad_hidden_states_are_named_where_read_and_stop_the_run_beyond_a_share(stages, model_path, tmp_path):
     """Each sample is checked where it is read (CRC, dtype, finite values): one bad file of 24 is skipped, named and
     counted; a second (all NaN, with a valid checksum) is more than the share and stops the run with one line.
