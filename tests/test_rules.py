@@ -212,12 +212,65 @@ def test_records_are_frozen_and_serialize():
     ("checkpoint_freq: .nan\n", "key 'checkpoint_freq' must be a number"),
     ("layer_ids: [2, x]\n", "key 'layer_ids' must be a list of integers"),
     ("[" * 5000 + "]" * 5000 + "\n", "not valid YAML"),
+    ("[1, 2]: 3\n", "a key must be a plain name, not a sequence"),  # a list as a mapping key
+    ("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\ne: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]\ng: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]\nh: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]\ni: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]\nepochs: *i\n", "more than 64 aliases"),  # a "billion laughs" expansion
+    ("# x\n" * 300_000, "a config is at most 1,048,576 bytes"),
 ])
 def test_config_file_refusals(tmp_path, text, needle):
     path = tmp_path / "c.yaml"
     path.write_text(text)
     with pytest.raises(UsageError, match=needle.replace("(", "\\(").replace(")", "\\)").replace("[", "\\[")):
         cli.load_config(str(path), "train")
+
+
+def test_every_failure_is_one_line_with_the_right_exit_code():
+    import errno
+    cases = [(OSError(errno.ENOSPC, "No space left on device", "/d/hs_1.safetensors"), 1, "the disk is full"),
+             (OSError(errno.EFBIG, "File too large", "/d/x"), 1, "ulimit -f"),
+             (OSError(errno.EROFS, "Read-only file system", "/d"), 2, "read-only"),
+             (OSError(errno.ENAMETOOLONG, "File name too long", "/d/" + "x" * 300), 2, "too long"),
+             (OSError(errno.ELOOP, "Too many levels of symbolic links", "/d/loop"), 2, "link loop"),
+             (OSError(errno.ENOENT, "No such file or directory", "/gone"), 2, "working folder deleted"),
+             (MemoryError(), 1, "out of memory"), (UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "bad"), 2, "UTF-8"),
+             (ValueError("line one\nline two"), 1, "ValueError: line one line two"),
+             (cli.RunError("Caught RunError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
+                           "last):\n  File x\neagle3pipe.cli.RunError: 3 of 24 samples are bad"), 1,
+              "3 of 24 samples are bad")]
+    for exc, code, needle in cases:
+        got, line = cli.describe(exc)
+        assert got == code and needle in line and "\n" not in line, (exc, got, line)
+    name = os.fsdecode(b"caf\xe9\nnotes")  # Latin-1 bytes and a newline in a file name
+    assert cli.oneline(f"{name}: not a folder") == "caf\\xe9\\nnotes: not a folder"
+
+
+def test_inputs_must_be_regular_files_and_npy_headers_match_their_size(tmp_path):
+    import numpy as np
+    from numpy.lib import format as npy
+    from eagle3pipe import files
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UsageError, match="is a FIFO, not a regular file"):
+        files.read_json(str(tmp_path / "fifo"))  # would wait forever for a writer
+    with open(tmp_path / "big.npy", "wb") as f:
+        npy.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": (10 ** 12,)})
+        f.write(b"\0" * 80)
+    with pytest.raises(ValueError, match="header claims 8,000,000,000,000 bytes"):
+        files.load_npy(str(tmp_path / "big.npy"))
+    np.save(tmp_path / "ok.npy", np.arange(5))
+    assert files.load_npy(str(tmp_path / "ok.npy")).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_the_hub_probe_has_a_deadline_for_an_endpoint_that_never_answers(monkeypatch):
+    import socket
+    import time
+    from eagle3pipe import verifier
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections, never answers
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    t0 = time.time()
+    assert verifier.hub_reachable(timeout=1.0) is False
+    assert time.time() - t0 < 2
+    silent.close()
 
 
 def test_config_top_level_keys_apply_only_to_the_stages_that_take_them(tmp_path):
