@@ -186,7 +186,8 @@ class VLLMBackend:
         """-> {row: path of the file the connector is writing}; the writer waits for its lock. One call per
         batch of similar lengths (longest first): on vLLM-CPU that prefills faster than one call for all rows with
         continuous batching (2,303 vs 2,161 tok/s on 284 ShareGPT rows, bench/bench_extract_cpu.py)."""
-        outs = self.llm.generate([{"prompt_token_ids": list(ids)} for _, ids in batch], self.params, use_tqdm=False)
+        from .engine import generate
+        outs = generate(self.llm, [{"prompt_token_ids": list(ids)} for _, ids in batch], self.params, use_tqdm=False)
         result = {}
         for (i, _), o in zip(batch, outs):
             path = (o.kv_transfer_params or {}).get("hidden_states_path")

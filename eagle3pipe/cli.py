@@ -174,7 +174,7 @@ class Parser(argparse.ArgumentParser):
                     hint = _suggest(name, options)
                     parts.append(f"{name}" + (f" (did you mean {hint}?)" if hint else ""))
             message = "unknown flag " + ", ".join(parts) if parts else message
-        print(f"error: {message}; see {self.prog} --help", file=sys.stderr, flush=True)
+        print(f"error: {oneline(message)}; see {self.prog} --help", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 log = logging.getLogger("eagle3")
@@ -74,7 +75,69 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
             raise RunError(f"the vLLM engine failed to start ({' '.join(str(e).split())[:200] or type(e).__name__})"
                            f"{'; its log says: ' + cause if cause else ''}; full log: {log_path}") from e
     log.info(f"vLLM engine ready in {time.time() - t0:.0f} s")
+    _watches[id(llm)] = EngineWatch(_children(), log_path)
     return llm
+
+
+def _children():
+    """The pids of this process's children (vLLM's engine core and workers, once the engine is up)."""
+    pids = []
+    for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += [int(x) for x in f.read().split()]
+        except OSError:
+            pass
+    return sorted(set(pids))
+
+
+def _gone(pid):
+    """True when `pid` has exited (a zombie counts: it is dead, only not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+class EngineWatch:
+    """While a generate call is in flight, a daemon thread checks every second that the engine's processes live.
+    vLLM's front end can wait for ever on an engine core that was killed (the OOM killer, a kill -9): then the run
+    ends with one line naming the process and the engine's log, and a rerun resumes from the files already made."""
+
+    def __init__(self, pids, log_path):
+        self.pids, self.log_path, self.busy = pids, log_path, 0
+        if pids:
+            threading.Thread(target=self._loop, daemon=True, name="engine-watch").start()
+
+    def _loop(self):
+        while True:
+            time.sleep(1.0)
+            dead = [p for p in self.pids if _gone(p)] if self.busy else []
+            if dead:
+                cause = last_error(self.log_path)
+                os.write(2, (f"error: the vLLM engine's process {dead[0]} died while it was working"
+                             f"{'; its log says: ' + cause if cause else ''}; see {self.log_path}; rerun the same "
+                             f"command to resume\n").encode("utf-8", "replace"))
+                os._exit(1)
+
+    @contextlib.contextmanager
+    def guard(self):
+        self.busy += 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
+
+
+_watches = {}
+
+
+def generate(llm, *args, **kwargs):
+    """llm.generate, watched: an engine process that dies meanwhile ends the run with one line, not a hang."""
+    watch = _watches.get(id(llm))
+    with watch.guard() if watch else contextlib.nullcontext():
+        return llm.generate(*args, **kwargs)
 
 
 @contextlib.contextmanager

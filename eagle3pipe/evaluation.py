@@ -8,6 +8,7 @@ import logging
 import os
 import time
 
+from . import engine
 from .cli import UsageError
 
 log = logging.getLogger("eagle3")
@@ -108,7 +109,7 @@ def divergences(llm, prompt_ids, reference, outputs):
         if pos >= min(len(a), len(b)):  # one output is a prefix of the other: they differ only in where they stop
             found.append({"prompt": i, "position": pos, "margin": None, "reason": "length only"})
             continue
-        o = llm.generate([{"prompt_token_ids": list(prompt_ids[i]) + a[:pos]}],
+        o = engine.generate(llm, [{"prompt_token_ids": list(prompt_ids[i]) + a[:pos]}],
                          SamplingParams(max_tokens=1, temperature=0.0, logprobs=2), use_tqdm=False)[0].outputs[0]
         top = sorted(o.logprobs[0].items(), key=lambda kv: -kv[1].logprob)[:2]
         margin = top[0][1].logprob - top[1][1].logprob if len(top) > 1 else None
@@ -159,7 +160,7 @@ def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, *, dtype, lo
         outs, t0 = [], time.time()
         for i in range(0, len(prompt_ids), b):
             chunk = [{"prompt_token_ids": p} for p in prompt_ids[i:i + b]]
-            outs += [list(o.outputs[0].token_ids) for o in llm.generate(chunk, params, use_tqdm=False)]
+            outs += [list(o.outputs[0].token_ids) for o in engine.generate(llm, chunk, params, use_tqdm=False)]
         secs = time.time() - t0
         after = spec_counters(llm)
         drafts = after["drafts"] - before["drafts"]

@@ -183,6 +183,12 @@ def load_stage(flag, folder, stage):
         raise UsageError(f"{flag} {folder}: format version {m.get('format_version')}, this code reads "
                          f"{FORMAT_VERSION}; rerun {script}")
     _check_schema(os.path.join(folder, MANIFEST), m, stage, script)
+    if stage == "extract":  # the manifest against its own identity record: a hand edit of one but not the other
+        ident, path = m["identity"], os.path.join(folder, MANIFEST)
+        for key, value in (("layer_ids", m["layer_ids"]), ("rows", m["counts"]["rows"])):
+            if key in ident and ident[key] != value:
+                raise UsageError(f"{path}: '{key}' is {value} but its identity record says {ident[key]}; the manifest "
+                                 f"was edited: rerun {script}")
     return m
 
 

@@ -48,8 +48,14 @@ BACKEND = "eagle3pipe-online"     # the name our transfer is registered under in
 # ---------------------------------------------------------------- preflight (seconds, no torch, no vLLM)
 
 def _get_json(url, timeout):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
+    """The JSON an HTTP endpoint answers; ValueError for anything that is not an HTTP answer with a JSON body (a port
+    that speaks another protocol), OSError when nothing answers within `timeout`."""
+    import http.client
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read(1 << 20))
+    except http.client.HTTPException as e:
+        raise ValueError(f"not an HTTP answer: {type(e).__name__}")
 
 
 def check_address(flag, address, model_path):
@@ -57,7 +63,7 @@ def check_address(flag, address, model_path):
     url = f"http://{address}/v1/models"
     try:
         ids = [m.get("id") for m in _get_json(url, 3).get("data", [])]
-    except (OSError, ValueError, AttributeError) as e:
+    except (OSError, ValueError, AttributeError, TypeError) as e:
         raise UsageError(f"{flag} {address}: no engine answers at {url} ({getattr(e, 'reason', e)}); start it first "
                          f"or drop the flag to let stage 04 start one")
     if model_path not in ids:

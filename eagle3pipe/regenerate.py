@@ -104,7 +104,7 @@ def run(records, tok, args, out):
                                          seed=args.seed + j * 1009 + turn if on_gpu else None,
                                          max_tokens=min(args.regen_max_tokens, args.max_seq_len - len(p) - 1))
                           for j, _, p in chunk]
-                outs = llm.generate([{"prompt_token_ids": p} for _, _, p in chunk], params, use_tqdm=False)
+                outs = engine.generate(llm, [{"prompt_token_ids": p} for _, _, p in chunk], params, use_tqdm=False)
                 with os.fdopen(outdir.open_append(path), "a", encoding="utf-8") as f:
                     for (j, m, _), o in zip(chunk, outs):
                         convs[j][m]["content"] = o.outputs[0].text

@@ -339,3 +339,37 @@ def test_memory_model_for_mla_and_moe_and_int4_weights(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 594_000_000_000},
                                                                        "weight_map": {}}))
     assert weights_bytes(str(tmp_path)) == 594_000_000_000  # the index: what an INT4 checkpoint really holds
+
+
+def test_a_stage02_manifest_that_contradicts_its_own_identity_is_refused(tmp_path):
+    import json
+    from eagle3pipe import FORMAT_VERSION, files
+    from eagle3pipe.verifier import IDENTITY
+    m = {"stage": "extract", "format_version": FORMAT_VERSION, "args": {}, "content_id": "c",
+         "verifier": {k: None for k in IDENTITY}, "counts": {"rows": 3},
+         "identity": {"prepared": "p", "layer_ids": [2, 15, 27, 30], "rows": 3}, "layer_ids": [2, 15, 27, 30]}
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    assert files.load_stage("--hidden-states", str(tmp_path), "extract")["layer_ids"] == [2, 15, 27, 30]
+    m["layer_ids"] = [3, 15, 27, 30]  # hand-edited: the files hold layer 2
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(UsageError, match="'layer_ids' is \\[3, 15, 27, 30\\] but its identity record says"):
+        files.load_stage("--hidden-states", str(tmp_path), "extract")
+
+
+def test_an_engine_port_that_speaks_something_else_is_one_line():
+    import socket
+    import threading
+    from eagle3pipe import online
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def answer():
+        for _ in range(2):
+            conn, _ = srv.accept()
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+            conn.close()
+    threading.Thread(target=answer, daemon=True).start()
+    with pytest.raises(UsageError, match="no engine answers .*not an HTTP answer"):
+        online.check_address("--engine-address", f"127.0.0.1:{srv.getsockname()[1]}", "m")
+    srv.close()
