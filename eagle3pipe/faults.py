@@ -5,7 +5,9 @@ variable. Nothing here does anything unless a variable is set.
                                        load (stage 02, before the verifier loads), batch (a batch computed, none
                                        of it queued for writing), write (a file half written under its temporary
                                        name), between (a batch's files all written, the next not started),
-                                       end (every file written, the manifest not yet)
+                                       end (every file written, the manifest not yet); stage 04: save (a
+                                       checkpoint half written in .saving/), publish (the previous checkpoint
+                                       deleted, the new one not yet renamed into place)
     EAGLE3_INJECT_OOM_ABOVE_TOKENS=N   raise torch's OutOfMemoryError for any stage 02 forward over N tokens
     EAGLE3_INJECT_NAN_ROWS=3,7         poison those rows' hidden states before stage 02's finiteness check
 """

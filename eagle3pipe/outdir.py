@@ -136,8 +136,8 @@ def matches(recorded, st, path):
         return recorded[4] == now[4] or (same_head and (same_inode or recorded[3] == now[3]))
     if kind == "g":  # a log this stage appends to
         return now[0] == "f" and same_inode
-    if kind == "t":  # a temporary file: its name is fresh and random, so the name identifies it too
-        return now[0] == "f"
+    if kind == "t":  # a temporary file or link, recorded before it exists: its fresh random name identifies it
+        return now[0] in ("f", "l")
     if kind == "l":
         return now[0] == "l" and recorded[5] == _target(path)
     return kind == now[0]
@@ -293,12 +293,31 @@ def _exclusive_temp(path):
     raise RunError(f"{quote(d)}: cannot create a temporary file beside {quote(name)}")
 
 
+def _temp_name(path):
+    d, name = os.path.split(os.path.abspath(path))
+    return os.path.join(d, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _planned(tmp):
+    """Record a temporary name before it exists, so a writer killed right after making it left a recorded file."""
+    led, rel = _ledger_of(tmp)
+    if led is not None:
+        led.append(rel, ["t", 0, 0, 0, 0, ""])
+
+
 def new_temp(path):
-    """A fresh temporary file beside `path`, recorded (a killed writer's temporary is then the stage's to delete)."""
-    tmp, fd = _exclusive_temp(path)
-    os.close(fd)
-    record(tmp, "t")
-    return tmp
+    """A fresh temporary file beside `path` (O_EXCL|O_NOFOLLOW), recorded before it is made: a killed writer's
+    temporary file is then the stage's to delete."""
+    for _ in range(8):
+        tmp = _temp_name(path)
+        _planned(tmp)
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+            return tmp
+        except FileExistsError:
+            forget(tmp)  # someone else's: never ours
+    raise RunError(f"{quote(os.path.dirname(os.path.abspath(path)))}: cannot create a temporary file beside "
+                   f"{quote(os.path.basename(path))}")
 
 
 def install(src, path):
@@ -434,6 +453,8 @@ def replace_dir(src, dst):
             raise RunError(f"{quote(dst)}: holds {quote(os.path.relpath(left[0], dst))}, which this stage did not make; "
                            f"move it away and rerun (the new copy waits in {quote(src)})")
         remove(dst)
+        from . import faults
+        faults.kill_point("publish")  # a reliability test: the old copy gone, the new one not yet in place
     os.rename(src, dst)
     if led is None:
         return
@@ -446,9 +467,9 @@ def replace_dir(src, dst):
 
 def symlink(target, path):
     """Point the stage's link `path` at `target` (relative), replacing only the stage's own link there."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = _temp_name(path)
+    _planned(tmp)
     os.symlink(target, tmp)
-    record(tmp, "l")
     install(tmp, path)
 
 
@@ -597,13 +618,16 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
     led = Ledger.load(real) or Ledger(real, stage, {})
     if not shard:
         led.write_new(stage)  # compacted; replicas share the record and only append
-    elif not os.path.lexists(os.path.join(real, LEDGER)):
+    elif not os.path.lexists(os.path.join(real, LEDGER)):  # made whole, by whichever replica comes first
+        tmp, fd = _exclusive_temp(os.path.join(real, LEDGER))
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"stage": stage, "version": 2}) + "\n")
         try:
-            fd = os.open(os.path.join(real, LEDGER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            os.write(fd, (json.dumps({"stage": stage, "version": 2}) + "\n").encode())
-            os.close(fd)
+            os.link(tmp, os.path.join(real, LEDGER))  # fails if another replica's record is there already
         except FileExistsError:
-            led = Ledger.load(real)  # another replica made it first
+            pass
+        os.unlink(tmp)
+        led = Ledger.load(real)
     _ledgers[real] = led
     for rel, ident in sorted(led.entries.items()):  # a dead writer's temporary files
         if ident[0] == "t" and not _live_temp(rel):

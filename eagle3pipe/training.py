@@ -425,6 +425,9 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
                 super().maybe_save_checkpoint(epoch, local_step)
             finally:
                 self.checkpointer.path = root
+            if (staged / "config.json").exists():
+                from . import faults
+                faults.kill_point("save")  # a reliability test: die with the save on disk but not in place
             if self.rank == 0 and (staged / "config.json").exists():
                 if epoch == "interrupted":  # speculators records no step for it: ours, so a rerun resumes from it
                     per_epoch = max(1, len(self.train_loader))

@@ -365,10 +365,13 @@ def test_an_engine_port_that_speaks_something_else_is_one_line():
     srv.listen(4)
 
     def answer():
-        for _ in range(2):
-            conn, _ = srv.accept()
-            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
-            conn.close()
+        try:
+            while True:
+                conn, _ = srv.accept()
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+                conn.close()
+        except OSError:  # the test closed the socket
+            pass
     threading.Thread(target=answer, daemon=True).start()
     with pytest.raises(UsageError, match="no engine answers .*not an HTTP answer"):
         online.check_address("--engine-address", f"127.0.0.1:{srv.getsockname()[1]}", "m")

@@ -73,6 +73,22 @@ def test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached(stages, model_path, t
     assert json.load(open(out / "manifest.json"))["steps"] == int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
 
 
+@pytest.mark.parametrize("point", ["save:2", "publish:1"])
+def test_a_kill_inside_a_checkpoint_save_then_the_same_command_resumes(stages, model_path, tmp_path, point):
+    """SIGKILL with the second checkpoint half written (`save`), or with the previous copy deleted and the new one
+    not yet renamed into place (`publish`): the rerun finds the last whole checkpoint and goes on from it."""
+    out = tmp_path / "draft"
+    # mid-epoch checkpoints too: the end of an epoch then replaces its mid-epoch checkpoint (the `publish` window)
+    argv = train_args(model_path, stages, out, "--epochs", "3", "--checkpoint-freq", "0.5", "--total-seq-len", "512")
+    p, _ = run_script(*argv, env={"EAGLE3_INJECT_KILL": point})
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    p, _ = run_script(*argv)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Resuming" in p.stderr and "Starting fresh" not in p.stderr, p.stderr[-3000:]
+    assert json.load(open(out / "manifest.json"))["steps"] == int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
+    assert os.listdir(out / ".saving") == [] and os.path.realpath(out / "last") == str(out / "2")
+
+
 def test_bad_hidden_states_are_named_where_read_and_stop_the_run_beyond_a_share(stages, model_path, tmp_path):
     """Each sample is checked where it is read (CRC, dtype, finite values): one bad file of 24 is skipped, named and
     counted; a second (all NaN, with a valid checksum) is more than the share and stops the run with one line.
