@@ -336,6 +336,19 @@ def check_replaceable(path):
                        f"away and rerun")
 
 
+def _open_plain(path, flags, error, what, todo):
+    """An fd of the plain file at `path`, opened without following a link (and without blocking on a FIFO); else
+    `error` (one line)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise error(f"{quote(path)}: {what} ({'a link' if os.path.islink(path) else e.strerror}); {todo}")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(f"{quote(path)}: {what} (not a plain file); {todo}")
+    return fd
+
+
 def open_append(path, flags=os.O_WRONLY | os.O_APPEND):
     """A file descriptor that appends to (or locks) a log or lock file of the stage's, created if absent; never
     through a link, never someone else's file. -> fd (RunError, one line, otherwise)."""
@@ -344,14 +357,7 @@ def open_append(path, flags=os.O_WRONLY | os.O_APPEND):
     if led is not None and existed and not led.owns(rel):
         raise RunError(f"{quote(path)}: is not this stage's file (a link, or someone else's); it is left alone: move "
                        f"it away and rerun")
-    try:
-        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise RunError(f"{quote(path)}: cannot open it ({'a link' if os.path.islink(path) else e.strerror}); move it "
-                       f"away and rerun")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise RunError(f"{quote(path)}: not a plain file; move it away and rerun")
+    fd = _open_plain(path, flags | os.O_CREAT, RunError, "cannot open it", "move it away and rerun")
     os.set_blocking(fd, True)
     if not existed or (led is not None and led.entries.get(rel, ["g"])[0] != "g"):
         record(path, "g")
@@ -524,15 +530,8 @@ def _try_lock(folder, name, mode, create):
     path = os.path.join(folder, name)
     if not create and not os.path.lexists(path):
         return None, True
-    try:
-        fd = os.open(path, ((os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
-                    | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise UsageError(f"{quote(path)}: cannot be the lock ({'a link' if os.path.islink(path) else e.strerror}); "
-                         f"a stage never opens a link it did not make: remove it and rerun")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UsageError(f"{quote(path)}: not a plain file; remove it and rerun")
+    fd = _open_plain(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY, UsageError, "cannot be the lock",
+                     "a stage never opens a link it did not make: remove it and rerun")
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
