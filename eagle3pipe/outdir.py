@@ -143,6 +143,23 @@ def matches(recorded, st, path):
     return kind == now[0]
 
 
+def _apply(entries, lines):
+    """Fold record lines into {relative path: identity}; ValueError for a line a stage did not write."""
+    for line in lines:
+        if not line.strip():
+            continue
+        rel, ident = json.loads(line)
+        if not isinstance(rel, str) or not _plain(rel):
+            raise ValueError
+        if ident is None:
+            entries.pop(rel, None)
+            continue
+        if not (isinstance(ident, list) and len(ident) == 6 and ident[0] in KINDS
+                and all(type(x) is int for x in ident[1:5]) and isinstance(ident[5], str)):
+            raise ValueError
+        entries[rel] = ident
+
+
 def _plain(rel):
     parts = rel.split("/")
     return 0 < len(rel) < 4096 and "\0" not in rel and all(p not in ("", ".", "..") for p in parts)
@@ -151,8 +168,8 @@ def _plain(rel):
 class Ledger:
     """The identities of what a stage made in one folder: {relative path: identity}, from `LEDGER`."""
 
-    def __init__(self, root, stage, entries):
-        self.root, self.stage, self.entries, self.fd = root, stage, entries, None
+    def __init__(self, root, stage, entries, offset=0):
+        self.root, self.stage, self.entries, self.fd, self.offset = root, stage, entries, None, offset
 
     @classmethod
     def load(cls, root):
@@ -170,38 +187,48 @@ class Ledger:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_LEDGER:
                 raise UsageError(bad)
-            lines = f.read().splitlines()
+            data = f.read()
+        data = data[:data.rfind(b"\n") + 1]  # a line another replica is appending right now is read next time
+        lines = data.splitlines()
         try:
             head = json.loads(lines[0])
             if not (isinstance(head, dict) and isinstance(head.get("stage"), str) and head.get("version") == 2):
                 raise ValueError
             entries = {}
-            for line in lines[1:]:
-                if not line.strip():
-                    continue
-                rel, ident = json.loads(line)
-                if not isinstance(rel, str) or not _plain(rel):
-                    raise ValueError
-                if ident is None:
-                    entries.pop(rel, None)
-                    continue
-                if not (isinstance(ident, list) and len(ident) == 6 and ident[0] in KINDS
-                        and all(type(x) is int for x in ident[1:5]) and isinstance(ident[5], str)):
-                    raise ValueError
-                entries[rel] = ident
+            _apply(entries, lines[1:])
         except (ValueError, TypeError, IndexError, RecursionError):
             raise UsageError(bad)
-        return cls(root, head["stage"], entries)
+        return cls(root, head["stage"], entries, len(data))
 
-    def owns(self, rel):
+    def refresh(self):
+        """Read what other processes (`--shard` replicas, loader workers) appended since."""
+        try:
+            fd = os.open(os.path.join(self.root, LEDGER), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return
+        with os.fdopen(fd, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(MAX_LEDGER)
+        data = data[:data.rfind(b"\n") + 1]
+        try:
+            with _mutex:
+                _apply(self.entries, data.splitlines())
+                self.offset += len(data)
+        except (ValueError, TypeError, IndexError, RecursionError):
+            pass  # a record damaged since: the next stage run names it
+
+    def owns(self, rel, fresh=False):
         ident = self.entries.get(rel)
-        if ident is None:
-            return False
         try:
             path = os.path.join(self.root, rel)
-            return matches(ident, os.lstat(path), path)
+            if ident is not None and matches(ident, os.lstat(path), path):
+                return True
         except OSError:
             return False
+        if not fresh:  # another process of this stage may have remade it since this one read the record
+            self.refresh()
+            return self.owns(rel, fresh=True)
+        return False
 
     def append(self, rel, ident):
         line = (json.dumps([rel, ident]) + "\n").encode()
@@ -222,6 +249,7 @@ class Ledger:
             f.write(json.dumps({"stage": stage, "version": 2}) + "\n")
             for rel, ident in sorted(self.entries.items()):
                 f.write(json.dumps([rel, ident]) + "\n")
+            self.offset = f.tell()
         os.replace(tmp[0], os.path.join(self.root, LEDGER))
         self.stage = stage
         if self.fd is not None:
@@ -561,7 +589,8 @@ def check(flag, path, stage, inputs=(), shard=None):
     if os.path.isdir(real):
         if os.path.lexists(os.path.join(real, OLD_RECORD)):
             raise UsageError(f"{flag} {path}: written by an earlier version of this pipeline, whose record names its "
-                             f"files but cannot tell them from yours; choose a new folder")
+                             f"files but cannot tell them from yours; the next stage still reads it as an input, but "
+                             f"this stage writes only into a new folder: choose one")
         led = Ledger.load(real)
         if led and led.stage != stage:
             raise UsageError(f"{flag} {path}: holds the output of stage '{led.stage}'; choose another folder")

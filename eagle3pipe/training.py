@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 
 from . import outdir
@@ -360,6 +361,52 @@ def muon_in_float32(dtype):
         muon._zeropower_via_newtonschulz = orig
 
 
+@contextlib.contextmanager
+def acknowledged_signals(again_after=2.0):
+    """A stop signal is answered at once with one line, even while the main thread is deep in a step (Python runs
+    speculators' handler only when the step returns to the interpreter): the C-level wakeup fd hands each signal to
+    a thread here. A second signal (more than `again_after` s later: torchrun and the loader workers resend the
+    first) stops at once; the folder still resumes from its last complete checkpoint."""
+    import signal
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread: speculators' handler alone
+        os.close(r)
+        os.close(w)
+        yield
+        return
+
+    def watch():
+        first = None
+        while True:
+            try:
+                data = os.read(r, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum not in (signal.SIGINT, signal.SIGTERM):
+                    continue
+                name = signal.Signals(signum).name
+                if first is None:
+                    first = time.time()
+                    log.warning(f"{name}: stopping; an `interrupted` checkpoint is saved as soon as the step in progress "
+                                f"lets go, and the same command resumes from it; send {name} again to stop at once")
+                elif time.time() - first > again_after:
+                    os.write(2, f"error: stopped at once by a second {name}; the same command resumes from the last "
+                                f"complete checkpoint\n".encode())
+                    os._exit(128 + signum)
+    threading.Thread(target=watch, daemon=True, name="signal-watch").start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(old)
+        os.close(w)
+
+
 ARTIFACTS = ("run.yaml", "train_command.txt", "speculators.patch")  # speculators writes these beside the checkpoints
 
 
@@ -669,7 +716,7 @@ def run(cfg, args, on_cpu, dtype="bfloat16"):
             holder["trainer"] = self
             super().setup_model()
     scli.Trainer = Recording
-    with muon_in_float32(dtype), recorded_artifacts(type(cfg)):
+    with muon_in_float32(dtype), recorded_artifacts(type(cfg)), acknowledged_signals():
         scli.main(cfg)
     t = holder.get("trainer")
     path = t.checkpointer.path if t else None

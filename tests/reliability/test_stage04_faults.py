@@ -63,7 +63,8 @@ def test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached(stages, model_path, t
     err.close()
     first = (tmp_path / "first.err").read_text()
     stopped_at = max(int(s) for s in re.findall(r"step (\d+)/", first))
-    assert rc != 0 and "Received SIGINT" in first and not (out / "manifest.json").exists(), first[-2000:]
+    assert rc != 0 and "SIGINT: stopping; an `interrupted` checkpoint is saved" in first, first[-2000:]
+    assert not (out / "manifest.json").exists()
     assert (out / "interrupted" / "training_state.json").exists() and not os.path.exists(out / ".saving" / "interrupted")
     p, _ = run_script(*argv)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -73,7 +74,7 @@ def test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached(stages, model_path, t
     assert json.load(open(out / "manifest.json"))["steps"] == int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
 
 
-@pytest.mark.parametrize("point", ["save:2", "publish:1"])
+@pytest.mark.parametrize("point", ["save:2", pytest.param("publish:1", marks=pytest.mark.slow)])
 def test_a_kill_inside_a_checkpoint_save_then_the_same_command_resumes(stages, model_path, tmp_path, point):
     """SIGKILL with the second checkpoint half written (`save`), or with the previous copy deleted and the new one
     not yet renamed into place (`publish`): the rerun finds the last whole checkpoint and goes on from it."""
