@@ -657,9 +657,11 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
         os.unlink(tmp)
         led = Ledger.load(real)
     _ledgers[real] = led
-    for rel, ident in sorted(led.entries.items()):  # a dead writer's temporary files
+    for rel, ident in sorted(led.entries.items()):  # a dead writer's temporary files (or names it never made)
         if ident[0] == "t" and not _live_temp(rel):
             remove(os.path.join(real, rel))
+            if not os.path.lexists(os.path.join(real, rel)):
+                forget(os.path.join(real, rel))
     if overwrite:
         removed, left = 0, []
         for rel in sorted(r for r in led.entries if "/" not in r):
