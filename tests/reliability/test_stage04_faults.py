@@ -15,7 +15,8 @@ from conftest import REPO, run_script, train_args
 from test_cli_prepare_vocab import assert_refused
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGKILL, marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_signal_during_training_then_resume(stages, model_path, tmp_path, sig):
     """SIGKILL loses the steps since the last checkpoint; SIGTERM lets speculators save an `interrupted` one. Either
     way the same command resumes with the step count continuing, never from step 1."""
