@@ -310,9 +310,18 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
     return RECORDS[section].from_args(args)
 
 
+class _OneLine(logging.Formatter):
+    """Each record one physical line: a newline or control character in a file name is escaped."""
+
+    def format(self, record):
+        return oneline(super().format(record))
+
+
 def setup_logging():
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(_OneLine(handler.formatter._fmt, handler.formatter.datefmt))
     for noisy in ("httpx", "httpx2", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return logging.getLogger("eagle3")

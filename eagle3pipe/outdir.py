@@ -32,6 +32,7 @@ import threading
 from .cli import RunError, UsageError, oneline
 
 LEDGER = ".eagle3-owner.jsonl"
+TEMP = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")  # a temporary name: `.<name>.tmp-<pid>-<8 random hex digits>`
 OLD_RECORD = ".eagle3-owner.json"  # by-name records of earlier versions: their names cannot be told from a user's
 LOCK = ".eagle3.lock"
 SHARD_LOCK = re.compile(r"\.eagle3\.shard-\d+-of-\d+\.lock")
@@ -137,7 +138,7 @@ def matches(recorded, st, path):
     if kind == "g":  # a log this stage appends to
         return now[0] == "f" and same_inode
     if kind == "t":  # a temporary file or link, recorded before it exists: its fresh random name identifies it
-        return now[0] in ("f", "l")
+        return now[0] in ("f", "l") and bool(TEMP.fullmatch(os.path.basename(path)))
     if kind == "l":
         return now[0] == "l" and recorded[5] == _target(path)
     return kind == now[0]
@@ -157,6 +158,8 @@ def _apply(entries, lines):
         if not (isinstance(ident, list) and len(ident) == 6 and ident[0] in KINDS
                 and all(type(x) is int for x in ident[1:5]) and isinstance(ident[5], str)):
             raise ValueError
+        if ident[0] == "t" and not TEMP.fullmatch(rel.rsplit("/", 1)[-1]):
+            raise ValueError  # only a fresh temporary name is identified by its name
         entries[rel] = ident
 
 
@@ -221,7 +224,7 @@ class Ledger:
         ident = self.entries.get(rel)
         try:
             path = os.path.join(self.root, rel)
-            if ident is not None and matches(ident, os.lstat(path), path):
+            if ident is not None and self._real_parents(rel) and matches(ident, os.lstat(path), path):
                 return True
         except OSError:
             return False
@@ -229,6 +232,17 @@ class Ledger:
             self.refresh()
             return self.owns(rel, fresh=True)
         return False
+
+    def _real_parents(self, rel):
+        """Every folder on the way to `rel` is one the stage made and a real folder: a path through a link (planted, or
+        listed in a hand-edited record) is never the stage's."""
+        parts = rel.split("/")[:-1]
+        for k in range(1, len(parts) + 1):
+            parent = "/".join(parts[:k])
+            if (self.entries.get(parent) or ["?"])[0] != "d" or \
+                    not stat.S_ISDIR(os.lstat(os.path.join(self.root, parent)).st_mode):
+                return False
+        return True
 
     def append(self, rel, ident):
         line = (json.dumps([rel, ident]) + "\n").encode()
@@ -641,7 +655,8 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
                              f"finish or stop it first")
         if mode == fcntl.LOCK_EX:
             os.ftruncate(fd, 0)
-            os.write(fd, f"PID {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}\n".encode())
+            os.write(fd, f"PID {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}\n".encode(
+                "utf-8", "backslashreplace"))  # a name in Latin-1 bytes stays readable
         _held.append(fd)
     led = Ledger.load(real) or Ledger(real, stage, {})
     if not shard:

@@ -79,6 +79,8 @@ def _check_rules(name, value, meta):
         raise UsageError(f"{flag} {value!r}: choose one of {', '.join(meta['choices'])}")
     if meta.get("path") and not value.strip():
         raise UsageError(f"{flag}: empty path")
+    if meta.get("path") and "\0" in value:
+        raise UsageError(f"{flag} {value!r}: a path cannot hold a NUL byte")
 
 
 class Record:

@@ -22,7 +22,7 @@ from .verifier import same_verifier
 STAGING = ".saving"  # speculators writes each checkpoint here; it is renamed into place once complete
 # what speculators writes into a checkpoint folder (a kill mid-save leaves some of them in STAGING/<epoch>)
 CHECKPOINT_FILES = r"(config|generation_config|training_state|val_metrics)\.json|model(-\d+-of-\d+)?\.safetensors" \
-                   r"(\.index\.json)?|(optimizer|scheduler)_state_dict\.pt|train_command\.txt|epoch\d+_(end|step\d+)"
+                   r"(\.index\.json)?|(optimizer|scheduler)_state_dict\.pt|train_command\.txt|[\w-]+\.py|epoch\d+_(end|step\d+)"
 DATASET_FILES = r"data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|\.done"  # datasets' save_to_disk, and ours
 
 log = logging.getLogger("eagle3")
@@ -467,6 +467,7 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
                 discard_staged(str(staged))
                 if epoch == "interrupted" and self.global_step == 0:
                     return  # nothing trained: nothing to resume from
+                outdir.make_dir(str(staged))  # made here, a real folder: speculators writes into nothing else
             self.checkpointer.path = root / STAGING
             try:
                 super().maybe_save_checkpoint(epoch, local_step)
@@ -475,7 +476,9 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
             if (staged / "config.json").exists():
                 from . import faults
                 faults.kill_point("save")  # a reliability test: die with the save on disk but not in place
-            if self.rank == 0 and (staged / "config.json").exists():
+            if self.rank == 0 and not (staged / "config.json").exists():
+                discard_staged(str(staged))  # speculators chose not to save here: the empty folder goes
+            elif self.rank == 0:
                 if epoch == "interrupted":  # speculators records no step for it: ours, so a rerun resumes from it
                     per_epoch = max(1, len(self.train_loader))
                     e, k = divmod(self.global_step, per_epoch)

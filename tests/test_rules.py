@@ -376,3 +376,28 @@ def test_an_engine_port_that_speaks_something_else_is_one_line():
     with pytest.raises(UsageError, match="no engine answers .*not an HTTP answer"):
         online.check_address("--engine-address", f"127.0.0.1:{srv.getsockname()[1]}", "m")
     srv.close()
+
+
+def test_a_hand_edited_record_never_gets_a_person_s_file_deleted(tmp_path):
+    import json
+    head = json.dumps({"stage": "vocab", "version": 2}) + "\n"
+    d = tmp_path / "out"
+    d.mkdir()
+    sentinel = tmp_path / "sentinel"
+    sentinel.mkdir()
+    (sentinel / ".a.txt.tmp-1-0123abcd").write_text("someone else's\n")
+    (d / "lnk").symlink_to(sentinel, target_is_directory=True)
+    st = os.lstat(d / "lnk")
+    # a link listed with its true identity, and a "temporary file" reached through it
+    (d / outdir.LEDGER).write_text(
+        head + json.dumps(["lnk", ["l", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, str(sentinel)]]) + "\n"
+        + json.dumps(["lnk/.a.txt.tmp-1-0123abcd", ["t", 0, 0, 0, 0, ""]]) + "\n")
+    outdir.claim("--output-dir", str(d), "vocab", overwrite=True)
+    assert (sentinel / ".a.txt.tmp-1-0123abcd").read_text() == "someone else's\n"
+    d2 = tmp_path / "out2"
+    d2.mkdir()
+    (d2 / "notes.txt").write_text("a person's notes\n")  # listed as a "temporary file" by hand
+    (d2 / outdir.LEDGER).write_text(head + json.dumps(["notes.txt", ["t", 0, 0, 0, 0, ""]]) + "\n")
+    with pytest.raises(UsageError, match="unreadable ownership record"):
+        outdir.claim("--output-dir", str(d2), "vocab", overwrite=True)
+    assert (d2 / "notes.txt").read_text() == "a person's notes\n"

@@ -131,6 +131,16 @@ def test_stage04_on_a_hostile_folder(model_path, stages, trained, tmp_path):
     kinds = ("manifest.json", ".eagle3.lock", ".eagle3-owner.jsonl", "last", "logs", "logs/metrics.jsonl", "5",
              "5/model.safetensors", ".bridge", "checkpoint_best")
     hostile(argv, ckpt, tmp_path / "h04", pick=lambda n: n in kinds, overwrite=False)
+    # a link planted where the next checkpoint will be staged (a name the stage has not made yet): refused, not
+    # written through
+    s = sentinel(tmp_path / "next")
+    before = tree_sum(s)
+    work = tmp_path / "next" / "work"
+    shutil.copytree(ckpt, work, symlinks=True)
+    os.symlink(s / "dir", work / ".saving" / "6", target_is_directory=True)
+    p, _ = run_script(*train_args(model_path, stages, work, "--epochs", "7", "--lr", "3e-3"))
+    assert p.returncode != 0 and ".saving/6" in one_line_or_success(p, "link at .saving/6"), p.stderr[-2000:]
+    assert tree_sum(s) == before
     # --overwrite with a person's notes in logs/ and in an epoch folder: every file the stage made goes, the notes
     # and the folders holding them stay, the log says so, and the run refuses to resume from a folder not wholly its
     (ckpt / "logs" / "notes.txt").write_text("a person's notes\n")
