@@ -93,7 +93,8 @@ def run(main, exit_now=False):
     try:
         code = main()
     except KeyboardInterrupt:
-        print("error: interrupted (Ctrl-C); rerun the same command to resume", file=sys.stderr, flush=True)
+        print("error: stopped by a signal (Ctrl-C or SIGTERM); rerun the same command to resume", file=sys.stderr,
+              flush=True)
         code = 130
     except SystemExit:
         raise

@@ -185,6 +185,8 @@ def load_stage(flag, folder, stage):
     _check_schema(os.path.join(folder, MANIFEST), m, stage, script)
     if stage == "extract":  # the manifest against its own identity record: a hand edit of one but not the other
         ident, path = m["identity"], os.path.join(folder, MANIFEST)
+        if not all(type(x) is int and 0 <= x < 1 << 20 for x in m["layer_ids"]):
+            raise UsageError(f"{path}: 'layer_ids' {str(m['layer_ids'])[:80]} are not layer numbers; rerun {script}")
         for key, value in (("layer_ids", m["layer_ids"]), ("rows", m["counts"]["rows"])):
             if key in ident and ident[key] != value:
                 raise UsageError(f"{path}: '{key}' is {value} but its identity record says {ident[key]}; the manifest "

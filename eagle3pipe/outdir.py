@@ -121,8 +121,9 @@ def _target(path):
 def matches(recorded, st, path):
     """Whether what is at `path` now (lstat `st`) is what the record says the stage made there:
     - its modification time to the nanosecond, on the same inode or on a copy that kept times (cp -a, rsync -a,
-      shutil.copytree): a file of ours whose data went bad, or that a dying disk truncated, is ours to redo;
-    - or its first bytes (HEAD) on the same inode, or with the same size on a copy (a bit flipped in a copy).
+      shutil.copytree): a file of ours whose data went bad, or that a dying disk truncated, is ours to redo (on a
+      filesystem whose times are whole seconds, the same inode or size is needed too);
+    - or its first bytes (HEAD), on the same inode or with the same size on a copy (a bit flipped in a copy).
     A file written in its place, even on a reused inode, has a new time and other first bytes: not ours. A link
     matches by where it points; a folder by kind (deleting an empty folder loses nothing, and a folder is deleted
     only once everything in it was the stage's).
@@ -134,7 +135,9 @@ def matches(recorded, st, path):
         if now[0] != "f":
             return False
         same_head = bool(recorded[5]) and recorded[5] == _head_hash(path)
-        return recorded[4] == now[4] or (same_head and (same_inode or recorded[3] == now[3]))
+        same_time = recorded[4] == now[4]
+        fine_time = same_time and recorded[4] % 1_000_000_000 != 0  # a time to the ns is no accident; to the s might be
+        return fine_time or ((same_time or same_head) and (same_inode or recorded[3] == now[3]))
     if kind == "g":  # a log this stage appends to
         return now[0] == "f" and same_inode
     if kind == "t":  # a temporary file or link, recorded before it exists: its fresh random name identifies it
@@ -188,7 +191,7 @@ class Ledger:
             raise UsageError(bad)
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_LEDGER:
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_LEDGER or st.st_nlink != 1:
                 raise UsageError(bad)
             data = f.read()
         data = data[:data.rfind(b"\n") + 1]  # a line another replica is appending right now is read next time
@@ -385,9 +388,11 @@ def _open_plain(path, flags, error, what, todo):
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise error(f"{quote(path)}: {what} ({'a link' if os.path.islink(path) else e.strerror}); {todo}")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         os.close(fd)
-        raise error(f"{quote(path)}: {what} (not a plain file); {todo}")
+        why = "not a plain file" if not stat.S_ISREG(st.st_mode) else "a hard link: another name shares its contents"
+        raise error(f"{quote(path)}: {what} ({why}); {todo}")
     return fd
 
 

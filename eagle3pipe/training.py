@@ -22,7 +22,8 @@ from .verifier import same_verifier
 STAGING = ".saving"  # speculators writes each checkpoint here; it is renamed into place once complete
 # what speculators writes into a checkpoint folder (a kill mid-save leaves some of them in STAGING/<epoch>)
 CHECKPOINT_FILES = r"(config|generation_config|training_state|val_metrics)\.json|model(-\d+-of-\d+)?\.safetensors" \
-                   r"(\.index\.json)?|(optimizer|scheduler)_state_dict\.pt|train_command\.txt|[\w-]+\.py|epoch\d+_(end|step\d+)"
+                   r"(\.index\.json)?|(optimizer|scheduler)_state_dict\.pt|train_command\.txt|[\w-]+\.py|epoch\d+_(end|step\d+)" \
+                   r"|\.tmp\w+"  # the last: a temporary name of a save cut short
 DATASET_FILES = r"data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|\.done"  # datasets' save_to_disk, and ours
 
 log = logging.getLogger("eagle3")
@@ -361,6 +362,9 @@ def muon_in_float32(dtype):
         muon._zeropower_via_newtonschulz = orig
 
 
+TRAINING = [False]  # speculators' run_training is under way (its signal handler, or its interrupt save)
+
+
 @contextlib.contextmanager
 def acknowledged_signals(again_after=2.0):
     """A stop signal is answered at once with one line, even while the main thread is deep in a step (Python runs
@@ -377,6 +381,14 @@ def acknowledged_signals(again_after=2.0):
         os.close(w)
         yield
         return
+
+    def on_signal(signum, frame):
+        """Ours while speculators' is not installed. Before training: stop now (nothing to save). During speculators'
+        save of `interrupted` (it restores this one first): a quick second signal must not cut the save short; one
+        more than `again_after` s later stops at once (the watcher)."""
+        if not TRAINING[0]:
+            raise KeyboardInterrupt
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def watch():
         first = None
@@ -405,6 +417,8 @@ def acknowledged_signals(again_after=2.0):
     finally:
         signal.set_wakeup_fd(old)
         os.close(w)
+        for s, h in handlers.items():
+            signal.signal(s, h)
 
 
 ARTIFACTS = ("run.yaml", "train_command.txt", "speculators.patch")  # speculators writes these beside the checkpoints
@@ -422,7 +436,16 @@ def recorded_artifacts(config_class):
             if os.path.lexists(p) and not outdir.owned(p):
                 raise RunError(f"{outdir.quote(p)}: is not this stage's file (a link, or someone else's); it is left "
                                f"alone: move it away and rerun")
-        orig(self, save_dir)
+        try:  # run.yaml by rename too (speculators writes it in place, through any hard link)
+            from speculators.train.config.artifacts import dump_yaml
+            from speculators.train.utils import save_train_command
+        except ImportError:
+            orig(self, save_dir)
+        else:
+            from .files import atomic_path
+            with atomic_path(paths[0]) as tmp, open(tmp, "w", encoding="utf-8") as f:
+                f.write(dump_yaml(self))
+            save_train_command(save_dir, argv=list(self.argv))
         for p in paths:
             if os.path.lexists(p):
                 outdir.record(p)
@@ -450,6 +473,7 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
             return super().train_epoch(epoch, **kw)
 
         def run_training(self):
+            TRAINING[0] = True
             # speculators 0.9 keeps looping over the remaining epochs after --max-steps, each one saving a
             # checkpoint and validating; stop at the epoch in which the last step falls
             if max_steps:
@@ -555,8 +579,8 @@ def resume_state(out):
             left = outdir.remove(path, dry_run=True)
             if left:
                 raise UsageError(f"--output-dir {out}: {outdir.quote(os.path.relpath(left[0], out))} is not what this "
-                                 f"stage wrote (a link, or a file put there); a checkpoint is resumed only whole: move "
-                                 f"it away and rerun")
+                                 f"stage wrote (a link, or a file put there), and speculators would resume from the "
+                                 f"folder that holds it: move it away and rerun")
     return said
 
 
@@ -695,6 +719,8 @@ def run(cfg, args, on_cpu, dtype="bfloat16"):
     # float32 compute: autocast says it does not know float32 and turns itself off, which is the point
     warnings.filterwarnings("ignore", message=".*autocast.*(not supported|only supports).*")
     logs = outdir.make_dir(os.path.join(os.path.abspath(args.output_dir), "logs"))
+    if int(os.environ.get("RANK", "0")) == 0:
+        os.close(outdir.open_append(os.path.join(logs, "metrics.jsonl")))  # refused now, not after an epoch
     dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"))
     setup = scli.setup_metric_logger
 

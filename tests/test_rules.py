@@ -74,6 +74,11 @@ def test_links_planted_at_the_lock_the_temporaries_and_subfolders_are_never_foll
         outdir.make_dir(str(d / "sub"))
     from eagle3pipe import files
     files.write_json(str(d / "m.json"), {})  # its temporary name is fresh and O_EXCL: a planted one is never opened
+    d2 = tmp_path / "out2"
+    d2.mkdir()
+    os.link(victim, d2 / outdir.LOCK)  # a hard link: O_NOFOLLOW does not see it
+    with pytest.raises(UsageError, match="a hard link"):
+        _claim(d2)
     assert victim.read_text() == "a person's file\n"
     assert outdir.remove(str(d / "sub")) == [str(d / "sub")] and os.listdir(tmp_path / "out" / "sub")
 

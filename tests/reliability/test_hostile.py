@@ -131,6 +131,12 @@ def test_stage04_on_a_hostile_folder(model_path, stages, trained, tmp_path):
     kinds = ("manifest.json", ".eagle3.lock", ".eagle3-owner.jsonl", "last", "logs", "logs/metrics.jsonl", "5",
              "5/model.safetensors", ".bridge", "checkpoint_best")
     hostile(argv, ckpt, tmp_path / "h04", pick=lambda n: n in kinds, overwrite=False)
+    # a person's hard link to the stage's run.yaml: speculators rewrites it every run; the person's copy stays
+    keep = tmp_path / "run_keep.yaml"
+    os.link(ckpt / "run.yaml", keep)
+    text = keep.read_text()
+    p, _ = run_script(*argv(ckpt))
+    assert p.returncode == 0 and keep.read_text() == text, p.stderr[-2000:]
     # a link planted where the next checkpoint will be staged (a name the stage has not made yet): refused, not
     # written through
     s = sentinel(tmp_path / "next")

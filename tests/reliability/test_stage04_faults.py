@@ -44,9 +44,9 @@ def test_signal_during_training_then_resume(stages, model_path, tmp_path, sig):
 
 
 def test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached(stages, model_path, tmp_path):
-    """Ctrl-C in the middle of an epoch (no periodic checkpoint there): the signal is acknowledged at once, an
-    `interrupted` checkpoint is saved whole, and the same command continues from the next step, not from the last
-    epoch boundary and never from step 1."""
+    """Ctrl-C in the middle of an epoch (no periodic checkpoint there), and a SIGTERM right after it (a supervisor's
+    resend): the signal is acknowledged at once, an `interrupted` checkpoint is saved whole, and the same command
+    continues from the next step, not from the last epoch boundary and never from step 1."""
     out = tmp_path / "draft"
     argv = train_args(model_path, stages, out, "--epochs", "2", "--total-seq-len", "512")
     err = open(tmp_path / "first.err", "w")
@@ -60,6 +60,8 @@ def test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached(stages, model_path, t
             break
         time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # a quick second signal must not cut the save short
     rc = proc.wait(timeout=300)
     err.close()
     first = (tmp_path / "first.err").read_text()
