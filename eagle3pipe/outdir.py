@@ -357,7 +357,7 @@ def new_temp(path):
         tmp = _temp_name(path)
         _planned(tmp)
         try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+            os.close(_open_beneath(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC))
             return tmp
         except FileExistsError:
             forget(tmp)  # someone else's: never ours
@@ -381,11 +381,29 @@ def check_replaceable(path):
                        f"away and rerun")
 
 
+def _open_beneath(path, flags, mode=0o644):
+    """os.open of `path` with O_NOFOLLOW on every component below the claimed folder holding it (walked with
+    dir_fd), so a subfolder swapped for a link after it was checked is never followed; plain os.open elsewhere."""
+    led, rel = _ledger_of(path)
+    if led is None:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    parts = rel.split("/")
+    fd = os.open(led.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        return os.open(parts[-1], flags | os.O_NOFOLLOW, mode, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
 def _open_plain(path, flags, error, what, todo):
     """An fd of the plain file at `path`, opened without following a link (and without blocking on a FIFO); else
     `error` (one line)."""
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        fd = _open_beneath(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise error(f"{quote(path)}: {what} ({'a link' if os.path.islink(path) else e.strerror}); {todo}")
     st = os.fstat(fd)

@@ -406,3 +406,18 @@ def test_a_hand_edited_record_never_gets_a_person_s_file_deleted(tmp_path):
     with pytest.raises(UsageError, match="unreadable ownership record"):
         outdir.claim("--output-dir", str(d2), "vocab", overwrite=True)
     assert (d2 / "notes.txt").read_text() == "a person's notes\n"
+
+
+def test_a_subfolder_swapped_for_a_link_after_its_check_is_never_written_through(tmp_path):
+    d = tmp_path / "out"
+    _claim(d)
+    logs = outdir.make_dir(str(d / "logs"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.rename(logs, tmp_path / "moved")  # a race: the checked folder is swapped for a link mid-run
+    os.symlink(outside, logs, target_is_directory=True)
+    with pytest.raises(cli.RunError):
+        outdir.open_append(os.path.join(logs, "metrics.jsonl"))
+    with pytest.raises(OSError):
+        outdir.new_temp(os.path.join(logs, "m.json"))
+    assert os.listdir(outside) == []
