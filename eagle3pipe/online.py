@@ -41,7 +41,6 @@ SPOOL = ".online"                 # the engine's files, each deleted (or moved i
 CACHE = "hidden_states_cache"     # --cache-gb: kept samples, stage 02's format (hs_{i}.safetensors)
 ENGINE_LOG = "engine.log"
 SKIPPED = "skipped.jsonl"         # in logs/: one line per sample skipped (non-finite states, engine errors)
-NAMES = [SPOOL, CACHE, ENGINE_LOG]
 BACKEND = "eagle3pipe-online"     # the name our transfer is registered under in speculators' backend registry
 
 
