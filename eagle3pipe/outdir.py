@@ -181,18 +181,23 @@ class Ledger:
     def load(cls, root):
         """The folder's record, or None if it has none; a malformed one is one line and nothing is touched."""
         path = os.path.join(root, LEDGER)
-        bad = f"{quote(path)}: unreadable ownership record; this folder's files cannot be told from others', so it " \
-              f"is left alone: choose another folder"
+        def bad(why="unreadable"):
+            return f"{quote(path)}: {why} ownership record; this folder's files cannot be told from others', so " \
+                   f"it is left alone: choose another folder"
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         except OSError:
-            raise UsageError(bad)
+            raise UsageError(bad("a linked or unreadable" if os.path.islink(path) else "an unreadable"))
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_LEDGER or st.st_nlink != 1:
-                raise UsageError(bad)
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(bad("a non-regular"))
+            if st.st_nlink != 1:
+                raise UsageError(bad("a hard-linked (shared with another path)"))
+            if st.st_size > MAX_LEDGER:
+                raise UsageError(bad("an oversized"))
             data = f.read()
         data = data[:data.rfind(b"\n") + 1]  # a line another replica is appending right now is read next time
         lines = data.splitlines()
@@ -203,7 +208,7 @@ class Ledger:
             entries = {}
             _apply(entries, lines[1:])
         except (ValueError, TypeError, IndexError, RecursionError):
-            raise UsageError(bad)
+            raise UsageError(bad("a malformed"))
         return cls(root, head["stage"], entries, len(data))
 
     def refresh(self):
@@ -671,6 +676,7 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
         pass
     except FileNotFoundError:
         os.makedirs(real)
+    n_held = len(_held)
     for lock_name, mode in _locks(shard):
         fd, free = _try_lock(real, lock_name, mode, create=True)
         if not free:  # another run took it since check()
@@ -701,8 +707,17 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
             if not os.path.lexists(os.path.join(real, rel)):
                 forget(os.path.join(real, rel))
     if overwrite:
+        tops = sorted(r for r in led.entries if "/" not in r)
+        nested = [p for rel in tops for p in remove(os.path.join(real, rel), dry_run=True)
+                  if os.path.dirname(os.path.relpath(p, real))]
+        if nested:  # the stage remakes that folder and could not; refuse before anything is deleted
+            while len(_held) > n_held:  # and let go of this folder: nothing of this run is in it
+                os.close(_held.pop())
+            raise UsageError(f"--overwrite: {quote(os.path.relpath(nested[0], real))} in {quote(real)} is inside a "
+                             f"folder this stage made and must remake, but this stage did not make it; move it out "
+                             f"and rerun (nothing was deleted)")
         removed, left = 0, []
-        for rel in sorted(r for r in led.entries if "/" not in r):
+        for rel in tops:
             before = len(led.entries)
             left += remove(os.path.join(real, rel))
             removed += before - len(led.entries)

@@ -54,7 +54,7 @@ def test_a_malformed_record_is_one_line_and_nothing_is_touched(tmp_path, text):
     d = tmp_path / "out"
     d.mkdir()
     (d / outdir.LEDGER).write_text(text)
-    with pytest.raises(UsageError, match="unreadable ownership record") as e:
+    with pytest.raises(UsageError, match="(malformed|unreadable) ownership record") as e:
         outdir.check("--output-dir", str(d), "vocab")
     assert "\n" not in str(e.value) and os.listdir(d) == [outdir.LEDGER]
 
@@ -93,9 +93,17 @@ def test_claim_removes_only_dead_writers_recorded_temps_and_overwrite_only_ours(
     tmp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert os.path.exists(tmp)
     (d / "sub" / "notes.txt").write_text("a person's notes inside our folder\n")
+    # the stage must remake sub/ and could not: refused before anything of ours is deleted
+    with pytest.raises(UsageError, match="sub/notes.txt.*inside a folder this stage made.*nothing was deleted"):
+        _claim(d, overwrite=True)
+    assert sorted(os.listdir(d / "sub")) == ["notes.txt", "x.npy"]
+    os.rename(d / "sub" / "notes.txt", tmp_path / "notes.txt")
     _claim(d, overwrite=True)
     assert not os.path.exists(tmp)  # a dead writer's recorded temporary file
-    assert sorted(os.listdir(d / "sub")) == ["notes.txt"]  # ours went, theirs stayed (and so did the folder)
+    assert [n for n in os.listdir(d) if not n.startswith(".")] == []  # all ours went
+    os.link(d / outdir.LEDGER, tmp_path / "record-copy")  # a record shared with another path is not trusted
+    with pytest.raises(UsageError, match="hard-linked .shared with another path. ownership record"):
+        _claim(d)
 
 
 def test_engine_paths_are_used_only_inside_the_spool(tmp_path):
@@ -403,7 +411,7 @@ def test_a_hand_edited_record_never_gets_a_person_s_file_deleted(tmp_path):
     d2.mkdir()
     (d2 / "notes.txt").write_text("a person's notes\n")  # listed as a "temporary file" by hand
     (d2 / outdir.LEDGER).write_text(head + json.dumps(["notes.txt", ["t", 0, 0, 0, 0, ""]]) + "\n")
-    with pytest.raises(UsageError, match="unreadable ownership record"):
+    with pytest.raises(UsageError, match="(malformed|unreadable) ownership record"):
         outdir.claim("--output-dir", str(d2), "vocab", overwrite=True)
     assert (d2 / "notes.txt").read_text() == "a person's notes\n"
 
