@@ -18,12 +18,7 @@ import os
 import re
 import sys
 
-class UsageError(Exception):
-    """A problem the operator fixes by changing a flag, a file or a record. Printed as one line, exit 2."""
-
-
-class RunError(Exception):
-    """A failure at run time that one line explains (an engine that died, say). Printed as one line, exit 1."""
+from .errors import RunError, UsageError, oneline  # noqa: F401 (the scripts' and tests' names for them)
 
 
 # errno -> what the operator does about it; the errors of a path they gave exit 2, the machine's state exits 1
@@ -42,19 +37,6 @@ _OS_HINTS = {
     errno.EISDIR: (2, "a folder stands where a file is expected: check the path"),
     errno.EMFILE: (1, "too many open files: raise ulimit -n, then rerun"),
 }
-
-
-def oneline(text):
-    """`text` as one physical line: control characters and undecodable bytes (file names) escaped."""
-    out = []
-    for c in str(text):
-        if ord(c) < 32 or ord(c) == 127:
-            out.append(repr(c)[1:-1])  # \n, \x1b: a newline in a name never splits the line
-        elif 0xDC80 <= ord(c) <= 0xDCFF:  # a byte that is not UTF-8 (a Latin-1 file name), as Python decodes it
-            out.append(f"\\x{ord(c) - 0xDC00:02x}")
-        else:
-            out.append(c)
-    return "".join(out)
 
 
 def describe(e):

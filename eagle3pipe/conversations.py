@@ -15,7 +15,7 @@ import json
 import os
 import stat
 
-from .cli import UsageError
+from .errors import UsageError
 
 ROLES = {
     "human": "user", "user": "user",

@@ -56,7 +56,7 @@ def cpu_vllm_env(env=None):
 def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype, log_path, **kw):
     """A vllm.LLM for `model_path` computing in `dtype`; `kw` goes to vLLM as is (speculative_config,
     kv_transfer_config, ...). The engine's output goes to `log_path` (appended); a failure to start raises RunError."""
-    from .cli import RunError
+    from .errors import RunError
     if not on_gpu:
         cpu_vllm_env()
     # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)

@@ -9,7 +9,7 @@ import os
 import time
 
 from . import engine
-from .cli import UsageError
+from .errors import UsageError
 
 log = logging.getLogger("eagle3")
 

@@ -5,7 +5,8 @@ import logging
 import os
 import time
 
-from . import cli, faults, files, outdir, verifier
+from . import faults, files, outdir, verifier
+from .errors import UsageError
 
 log = logging.getLogger("eagle3")
 SHARD_REPORT = ".shard-{}-of-{}.json"  # one per replica, written when it finishes
@@ -39,9 +40,9 @@ def read_rows(jsonl, expected, vocab_size):
                                      f"{'none' if not ids else f'{min(ids)}..{max(ids)}'}")
                 rows.append(ids)
             except (ValueError, KeyError, TypeError) as e:
-                raise cli.UsageError(f"{jsonl}:{lineno}: malformed row ({e}); rerun 01_prepare_dataset.py")
+                raise UsageError(f"{jsonl}:{lineno}: malformed row ({e}); rerun 01_prepare_dataset.py")
     if len(rows) != expected:
-        raise cli.UsageError(f"{jsonl}: {len(rows)} rows, its manifest says {expected}; rerun 01_prepare_dataset.py")
+        raise UsageError(f"{jsonl}: {len(rows)} rows, its manifest says {expected}; rerun 01_prepare_dataset.py")
     return rows
 
 
@@ -58,10 +59,10 @@ def prepare_output(args, plan):
         old = files.read_manifest(out) or (files.read_json(run_file) if os.path.exists(run_file) else None)
         old = old.get("identity", old) if isinstance(old, dict) else old
         if old is not None and not isinstance(old, dict):
-            raise cli.UsageError(f"{run_file}: expected a JSON object; use --overwrite or another folder")
+            raise UsageError(f"{run_file}: expected a JSON object; use --overwrite or another folder")
         if old and old != identity:
             what = next((k for k in identity if old.get(k) != identity[k]), "identity")
-            raise cli.UsageError(f"--output-dir {out}: holds hidden states of another run ({what} differs); "
+            raise UsageError(f"--output-dir {out}: holds hidden states of another run ({what} differs); "
                                  f"use --overwrite or another folder")
     if args.dry_run:
         return identity, out

@@ -17,7 +17,7 @@ import threading
 import time
 
 from . import faults, outdir
-from .cli import RunError, UsageError
+from .errors import RunError, UsageError
 from .hidden_states import SCALES, check_file, check_header, hs_path, load_checked, quantize_fp8, read_header, save
 
 log = logging.getLogger("eagle3")
@@ -308,7 +308,7 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
-        from .cli import UsageError
+        from .errors import UsageError
         from .hidden_states import bytes_per_token
         left = [i for i in todo if i not in written and i not in failed]
         need = sum(len(rows[i]) for i in left) * bytes_per_token(n_states, hidden, writer.storage)

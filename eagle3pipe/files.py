@@ -14,7 +14,7 @@ import shlex
 import sys
 
 from . import FORMAT_VERSION
-from .cli import UsageError
+from .errors import UsageError
 
 MANIFEST = "manifest.json"
 RUN_FILE = ".run.json"  # written when a resumable stage starts: {"stage", "identity"}
@@ -51,7 +51,7 @@ def open_input(path, mode="r", **kw):
         if not stat.S_ISREG(st.st_mode):
             kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
                 "a socket" if stat.S_ISSOCK(st.st_mode) else "a device"
-            from .cli import oneline
+            from .errors import oneline
             raise UsageError(f"{oneline(path)}: is {kind}, not a regular file; give a file")
         os.set_blocking(fd, True)
     except BaseException:

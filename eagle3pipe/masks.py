@@ -19,7 +19,7 @@ class TemplateError(Exception):
 
 def load_tokenizer(model_path, trust_remote_code=False):
     from transformers import AutoTokenizer
-    from .cli import UsageError
+    from .errors import UsageError
     try:
         tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except ValueError as e:

@@ -33,7 +33,7 @@ import urllib.request
 from typing import Optional
 
 from . import compute, outdir
-from .cli import RunError, UsageError
+from .errors import RunError, UsageError
 
 log = logging.getLogger("eagle3")
 

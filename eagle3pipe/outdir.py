@@ -29,7 +29,7 @@ import stat
 import sys
 import threading
 
-from .cli import RunError, UsageError, oneline
+from .errors import RunError, UsageError, oneline
 
 LEDGER = ".eagle3-owner.jsonl"
 TEMP = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")  # a temporary name: `.<name>.tmp-<pid>-<8 random hex digits>`

@@ -21,7 +21,7 @@ import shutil
 from typing import Optional
 
 from . import compute
-from .cli import UsageError
+from .errors import UsageError
 from .engine import visible_gpus
 
 

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .cli import UsageError
+from .errors import UsageError
 from .compute import CHOICES as DTYPES
 
 STAGES = ("prepare", "extract", "vocab", "train", "evaluate")

@@ -14,7 +14,7 @@ import threading
 import time
 
 from . import outdir
-from .cli import RunError, UsageError
+from .errors import RunError, UsageError
 from .files import MANIFEST, RUN_FILE, STAGE_SCRIPTS, load_stage
 from .hidden_states import SCALES, check_header, hs_path, load_sample, read_token_ids, verify_crc
 from .verifier import same_verifier

@@ -12,7 +12,7 @@ import re
 import threading
 from urllib.parse import urlsplit
 
-from .cli import UsageError
+from .errors import UsageError
 
 LAYER_ID_CONVENTION = ("id k < n = input of decoder layer k (0 = embedding output); id n = output of the "
                        "last decoder layer before the final norm")

@@ -7,7 +7,7 @@ ids sorted ascending, so draft ids keep the verifier's order.
 """
 import numpy as np
 
-from .cli import UsageError
+from .errors import UsageError
 
 
 def build_mapping(freq, k):
