@@ -21,7 +21,8 @@ import os
 import time
 
 from eagle3pipe import cli, faults, outdir, preflight
-from eagle3pipe.extract_output import INCOMING, clear_spool, engine_log, finish, prepare_output, read_rows
+from eagle3pipe.extract_output import INCOMING, clear_spool, engine_log, finish, prepare_output
+from eagle3pipe.files import read_rows
 
 
 def parse_args(argv=None):
@@ -59,7 +60,8 @@ def main():
     plan = preflight.plan(args)
     print(preflight.format_plan(plan), flush=True)
     # every row is read and checked before anything is written (the dry run, in seconds, trusts stage 01's manifest)
-    rows = None if args.dry_run else read_rows(plan.jsonl, plan.rows, plan.verifier["vocab_size"])
+    rows = None if args.dry_run else [ids for ids, _ in read_rows(
+        os.path.dirname(plan.jsonl), plan.rows, plan.verifier["vocab_size"], masks=False)]
     identity, out = prepare_output(args, plan)  # refuses another run's folder, --dry-run included; takes the lock
     for warning in (plan.compute.warning, plan.warning):  # after every refusal: a refusal stays one line
         if warning:

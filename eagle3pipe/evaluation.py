@@ -19,7 +19,8 @@ def check_draft(draft, fp):
     cfg_path = os.path.join(draft, "config.json")
     if not os.path.isfile(cfg_path):
         raise UsageError(f"--draft {draft}: no config.json (give a stage 04 checkpoint, e.g. data/checkpoints/last)")
-    from .verifier import read_json, same_verifier
+    from .files import read_json
+    from .verifier import same_verifier
     rerun = "rerun 04_train.py"
     try:  # a checkpoint cut short (disk full, a kill mid-copy) reads as bad JSON: one line, not a traceback
         cfg = read_json(cfg_path)

@@ -1,6 +1,5 @@
 """Stage 02's output folder: the files it owns, the run's identity (refusing another run's files), --overwrite, the
 per-replica shard reports, the final check of every file and manifest.json."""
-import json
 import logging
 import os
 import time
@@ -26,24 +25,6 @@ def clear_spool(spool):
             outdir.remove_spool_file(spool, os.path.join(spool, name))
         elif name.endswith(".safetensors.lock") and not os.path.lexists(os.path.join(spool, name[:-5])):
             outdir.remove_spool_file(spool, os.path.join(spool, name))
-
-
-def read_rows(jsonl, expected, vocab_size):
-    """Stage 01's rows, each checked (before the model loads): a list of token ids inside the verifier's vocab."""
-    rows = []
-    with files.open_input(jsonl, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            try:
-                ids = json.loads(line)["input_ids"]
-                if not ids or min(ids) < 0 or max(ids) >= vocab_size:
-                    raise ValueError(f"token ids must be in [0, {vocab_size}), got "
-                                     f"{'none' if not ids else f'{min(ids)}..{max(ids)}'}")
-                rows.append(ids)
-            except (ValueError, KeyError, TypeError) as e:
-                raise UsageError(f"{jsonl}:{lineno}: malformed row ({e}); rerun 01_prepare_dataset.py")
-    if len(rows) != expected:
-        raise UsageError(f"{jsonl}: {len(rows)} rows, its manifest says {expected}; rerun 01_prepare_dataset.py")
-    return rows
 
 
 def prepare_output(args, plan):

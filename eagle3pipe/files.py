@@ -201,10 +201,50 @@ def content_id(obj):
 
 
 def read_json(path):
+    """A JSON file the pipeline reads (a manifest, a config); any way it is unreadable is one line naming it."""
     try:
         with open_input(path, encoding="utf-8") as f:
             return json.load(f)
     except RecursionError:
-        raise UsageError(f"{path}: unreadable (JSON nested too deep)")
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{path}: unreadable ({' '.join(str(e).split())[:160]})")
+        raise UsageError(f"{path}: not valid JSON (nested too deep)")
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
+        raise UsageError(f"{path}: not valid JSON ({' '.join(str(e).split())[:160]})")
+    except OSError as e:
+        raise UsageError(f"{path}: unreadable ({e.strerror or e})")
+
+
+class Rows(list):
+    """[(input_ids, loss_mask)] of stage 01 (masks None when not asked for), and `digest`: the hash stage 01
+    recorded as its content_id."""
+    digest = None
+
+
+def read_rows(folder, expected, vocab_size=None, masks=True):
+    """Stage 01's rows, each checked before any model loads (a hand edit that breaks a row is named by its line):
+    token ids are integers (inside the verifier's vocabulary when `vocab_size` is given), masks 0/1 of equal
+    length; `expected`: the row count stage 01's manifest gives."""
+    import hashlib
+    path, rows, h = os.path.join(folder, "tokenized_data.jsonl"), Rows(), hashlib.sha256()
+    rerun = f"rerun {STAGE_SCRIPTS['prepare']}"
+    try:
+        f = open_input(path, "rb")
+    except OSError as e:
+        raise UsageError(f"--prepared-data {folder}: cannot read tokenized_data.jsonl ({e.strerror}); {rerun}")
+    with f:
+        for lineno, line in enumerate(f, 1):
+            h.update(line)
+            try:
+                r = json.loads(line)
+                ids, mask = r["input_ids"], r["loss_mask"]
+                if not (isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask) > 0
+                        and all(type(x) is int for x in ids) and all(x in (0, 1) for x in mask)):
+                    raise ValueError("input_ids and loss_mask must be equal-length lists of integers (mask 0/1)")
+                if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+                    raise ValueError(f"token ids must be in [0, {vocab_size}), got {min(ids)}..{max(ids)}")
+            except (ValueError, KeyError, TypeError, RecursionError) as e:
+                raise UsageError(f"{path}:{lineno}: malformed row ({' '.join(str(e).split())[:120]}); {rerun}")
+            rows.append((ids, mask if masks else None))
+    if len(rows) != expected:
+        raise UsageError(f"{path}: {len(rows)} rows, its manifest says {expected}; {rerun}")
+    rows.digest = h.hexdigest()[:16]
+    return rows

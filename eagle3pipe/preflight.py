@@ -15,7 +15,6 @@ Memory model (an estimate, deliberately on the safe side):
 """
 import dataclasses
 import glob
-import json
 import os
 import shutil
 from typing import Optional
@@ -75,7 +74,7 @@ def weights_bytes(model_path):
         return None  # a hub id: unknown until downloaded
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        from .verifier import read_json
+        from .files import read_json
         total = (read_json(index).get("metadata") or {}).get("total_size")
         if isinstance(total, int) and total > 0:
             return total
@@ -98,26 +97,6 @@ def per_token_bytes(cfg, n_states, value_bytes=2):
     inter = max(inter, experts * (cfg.get("moe_intermediate_size") or 0))
     act = (4 * hidden + 2 * inter) * 4
     return kv + 2 * n_states * hidden * value_bytes + act
-
-
-def read_rows(path):
-    """Token count of each row of tokenized_data.jsonl (ids themselves are read later, by the run)."""
-    lengths, max_id = [], -1
-    from .files import open_input
-    with open_input(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            try:
-                row = json.loads(line)
-                ids = row["input_ids"]
-                if not isinstance(ids, list) or not ids or len(ids) != len(row["loss_mask"]):
-                    raise ValueError("input_ids and loss_mask must be non-empty lists of equal length")
-            except (ValueError, KeyError, TypeError) as e:
-                raise UsageError(f"{path}:{lineno}: malformed row ({e}); rerun 01_prepare_dataset.py")
-            lengths.append(len(ids))
-            max_id = max(max_id, max(ids))
-    if not lengths:
-        raise UsageError(f"{path}: no rows; rerun 01_prepare_dataset.py")
-    return lengths, max_id
 
 
 def check_memory(args, cfg, n_states, weights, gpus, rows, longest, note="", value_bytes=2):

@@ -13,9 +13,9 @@ import os
 import threading
 import time
 
-from . import outdir
+from . import files, outdir
 from .errors import RunError, UsageError
-from .files import MANIFEST, RUN_FILE, STAGE_SCRIPTS, load_stage
+from .files import RUN_FILE, STAGE_SCRIPTS, load_stage
 from .hidden_states import SCALES, check_header, hs_path, load_sample, read_token_ids, verify_crc
 from .verifier import same_verifier
 
@@ -69,7 +69,7 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
             not np.array_equal(np.arange(k) + d2t, np.flatnonzero(t2d)):
         raise UsageError(f"--vocab-mapping {args.vocab_mapping}: d2t {list(d2t.shape)} / t2d {list(t2d.shape)} do not "
                          f"form a {k}-of-{v} mapping; rerun 03_build_vocab_mapping.py")
-    rows = read_rows(args.prepared_data, prep)
+    rows = files.read_rows(args.prepared_data, prep["counts"]["rows"])
     if online_layer_ids:
         if rows.digest != prep["content_id"]:
             raise UsageError(f"--prepared-data {args.prepared_data}: tokenized_data.jsonl was edited after stage 01 "
@@ -191,41 +191,6 @@ def _stored_ids(args, i):
         return read_token_ids(hs_path(args.hidden_states, i))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-class Rows(list):
-    """[(input_ids, loss_mask)] of stage 01, and `digest`: the hash stage 01 recorded as its content_id."""
-    digest = None
-
-
-def read_rows(folder, prep):
-    """Stage 01's rows, each checked (a hand edit that breaks a row is named by its line)."""
-    import hashlib
-    path, rows, h = os.path.join(folder, "tokenized_data.jsonl"), Rows(), hashlib.sha256()
-    try:
-        from .files import open_input
-        f = open_input(path, "rb")
-    except OSError as e:
-        raise UsageError(f"--prepared-data {folder}: cannot read tokenized_data.jsonl ({e.strerror}); rerun "
-                         f"{STAGE_SCRIPTS['prepare']}")
-    with f:
-        for lineno, line in enumerate(f, 1):
-            h.update(line)
-            try:
-                r = json.loads(line)
-                ids, mask = r["input_ids"], r["loss_mask"]
-                if not (isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask) > 0
-                        and all(type(x) is int for x in ids) and all(x in (0, 1) for x in mask)):
-                    raise ValueError("input_ids and loss_mask must be equal-length lists of integers (mask 0/1)")
-            except (ValueError, KeyError, TypeError, RecursionError) as e:
-                raise UsageError(f"{path}:{lineno}: malformed row ({' '.join(str(e).split())[:120]}); rerun "
-                                 f"{STAGE_SCRIPTS['prepare']}")
-            rows.append((ids, mask))
-    if len(rows) != prep["counts"]["rows"]:
-        raise UsageError(f"{path}: {len(rows)} rows, its manifest says {prep['counts']['rows']}; rerun "
-                         f"{STAGE_SCRIPTS['prepare']}")
-    rows.digest = h.hexdigest()[:16]
-    return rows
 
 
 def build_bridge(rows, folder, engine_url=None):

@@ -13,6 +13,7 @@ import threading
 from urllib.parse import urlsplit
 
 from .errors import UsageError
+from .files import read_json
 
 LAYER_ID_CONVENTION = ("id k < n = input of decoder layer k (0 = embedding output); id n = output of the "
                        "last decoder layer before the final norm")
@@ -98,20 +99,6 @@ def model_files(model_path):
     if not isinstance(cfg, dict):
         raise UsageError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
     return cfg, folder
-
-
-def read_json(path):
-    """A small JSON file the pipeline reads (a config); any way it is unreadable is one line naming it."""
-    try:
-        from .files import open_input
-        with open_input(path, encoding="utf-8") as f:
-            return json.load(f)
-    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are
-        raise UsageError(f"{path}: not valid JSON ({e})")
-    except RecursionError:
-        raise UsageError(f"{path}: not valid JSON (nested too deep)")
-    except OSError as e:
-        raise UsageError(f"{path}: cannot read ({e.strerror or e})")
 
 
 def text_config(cfg):

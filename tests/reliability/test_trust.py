@@ -230,7 +230,7 @@ def test_a_stage01_row_edited_after_stage02_is_named(stages, model_path, tmp_pat
     ("[]", "expected a JSON object, got list"),
     ('{"stage": "prepare", "format_version": 1, "args": {}}', "field 'content_id' is missing"),
     ("[" * 100000, "nested too deep"),
-    ('{"stage": "prepare"', "unreadable"),
+    ('{"stage": "prepare"', "not valid JSON"),
 ])
 def test_manifests_that_are_not_what_a_stage_wrote(prep, tmp_path, content, needle):
     bad = tmp_path / "prepared"
