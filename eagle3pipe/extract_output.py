@@ -5,7 +5,6 @@ import os
 import time
 
 from . import faults, files, outdir, verifier
-from .errors import UsageError
 
 log = logging.getLogger("eagle3")
 SHARD_REPORT = ".shard-{}-of-{}.json"  # one per replica, written when it finishes
@@ -35,35 +34,21 @@ def prepare_output(args, plan):
                 "prepared": plan.prepared_manifest["content_id"], "rows": plan.rows,
                 # "bfloat16": the name folders written before fp8 existed carry, so they still resume
                 "storage_dtype": {"bf16": "bfloat16"}.get(args.storage_dtype, args.storage_dtype)}
-    run_file = os.path.join(out, files.RUN_FILE)
-    if not args.overwrite and os.path.isdir(out):
-        old = files.read_manifest(out) or (files.read_json(run_file) if os.path.exists(run_file) else None)
-        old = old.get("identity", old) if isinstance(old, dict) else old
-        if old is not None and not isinstance(old, dict):
-            raise UsageError(f"{run_file}: expected a JSON object; use --overwrite or another folder")
-        if old and old != identity:
-            what = next((k for k in identity if old.get(k) != identity[k]), "identity")
-            raise UsageError(f"--output-dir {out}: holds hidden states of another run ({what} differs); "
-                                 f"use --overwrite or another folder")
+    inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data)]
+    out, _ = files.take_output(
+        "--output-dir", out, "extract", identity, inputs, "hidden states", args.shard, args.overwrite, args.dry_run,
+        begin=not args.verify,  # the manifest comes back once every row is accounted for
+        # the compute dtypes of the runs whose files are here (a resumed folder may mix them; the manifest says so);
+        # a folder from before --dtype was computed in bf16
+        carry=lambda old: {"compute_dtypes": old.get("compute_dtypes", ["bfloat16"])
+                           if isinstance(old, dict) and old.get("identity") == identity else []})
     if args.dry_run:
         return identity, out
-    inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data)]
-    out = outdir.claim("--output-dir", out, "extract", inputs, args.shard, overwrite=args.overwrite)
-    if not args.verify:
-        files.begin_output(out)  # the manifest comes back once every row is accounted for
     staging = os.path.join(out, INCOMING)
     for pid in os.listdir(staging) if outdir.owned(staging) else []:  # our engine's leftovers from dead runs
         if pid.isdigit() and not outdir.pid_alive(int(pid)) and outdir.owned(os.path.join(staging, pid)):
             clear_spool(os.path.join(staging, pid))
             outdir.remove(os.path.join(staging, pid))
-    # the compute dtypes of the runs whose files are here (a resumed folder may mix them; the manifest says so)
-    earlier = []
-    if not args.overwrite and os.path.exists(run_file):
-        old = files.read_json(run_file)
-        earlier = old.get("compute_dtypes", ["bfloat16"]) if isinstance(old, dict) and old.get("identity") == identity \
-            else []  # a folder from before --dtype was computed in bf16
-    files.write_json(os.path.join(out, files.RUN_FILE), {"stage": "extract", "identity": identity,
-                                                         "compute_dtypes": earlier})
     return identity, out
 
 

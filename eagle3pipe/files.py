@@ -110,6 +110,35 @@ def _check_schema(path, m, stage, script):
                              f"{want.__name__ if isinstance(want, type) else 'a value'}; rerun {script}")
 
 
+def take_output(flag, path, stage, identity, inputs=(), what="files", shard=None, overwrite=False, dry_run=False,
+                begin=True, carry=lambda old: {}):
+    """The one way a resumable stage takes its output folder. A folder that holds `what` of another run (its run
+    record or manifest gives a different `identity`) is refused unless `overwrite`; then, unless `dry_run`,
+    outdir.claim (the lock, dead writers' temporaries, --overwrite of exactly what earlier runs recorded), the
+    manifest dropped (`begin`) and this run's record written: {"stage", "identity", **carry(the earlier run's record
+    if it had the same identity, else None)}. -> (the real path, the manifest a finished earlier run left or None)."""
+    from . import outdir
+    run_file, earlier = os.path.join(path, RUN_FILE), None
+    if not overwrite and os.path.isdir(path):
+        earlier = read_json(run_file) if os.path.exists(run_file) else None
+        old = earlier if earlier is not None else read_manifest(path)
+        if old is not None and not isinstance(old, dict):
+            raise UsageError(f"{run_file}: expected a JSON object; use --overwrite or another folder")
+        mine = old.get("identity", old) if old else None  # folders from before the run record carry it bare
+        if mine is not None and mine != identity:
+            key = next((k for k in identity if not isinstance(mine, dict) or mine.get(k) != identity[k]), "identity")
+            raise UsageError(f"{flag} {path}: holds {what} of another run ({key} differs); use --overwrite or "
+                             f"another folder")
+    if dry_run:
+        return path, None
+    real = outdir.claim(flag, path, stage, inputs, shard, overwrite=overwrite)
+    previous = None if overwrite else read_manifest(real)
+    if begin:
+        begin_output(real)  # the manifest comes back once the run completes
+    write_json(os.path.join(real, RUN_FILE), {"stage": stage, "identity": identity, **carry(earlier)})
+    return real, previous
+
+
 def begin_output(folder):
     """Before a stage replaces any of its files in `folder`: drop its manifest, so a run killed half way leaves a
     folder that later stages refuse ("no manifest.json: rerun ...") and that a rerun of this stage takes back."""

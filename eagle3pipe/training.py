@@ -15,7 +15,7 @@ import time
 
 from . import files, outdir
 from .errors import RunError, UsageError
-from .files import RUN_FILE, STAGE_SCRIPTS, load_stage
+from .files import STAGE_SCRIPTS, load_stage
 from .hidden_states import SCALES, check_header, hs_path, load_sample, read_token_ids, verify_crc
 from .verifier import same_verifier
 
@@ -564,25 +564,13 @@ def prepare_output(args, identity, inputs, rank):
     """Rank 0 takes the folder (outdir.claim: only stage 04's own, the lock, --overwrite of exactly what earlier runs
     recorded) and resumes only with the same inputs. -> (the real output path, the manifest a finished earlier run
     left, or None)."""
-    from .files import begin_output, read_json, write_json
     if rank != 0:
         return os.path.realpath(args.output_dir), None
-    run_file = os.path.join(args.output_dir, RUN_FILE)
-    if not args.overwrite and os.path.exists(run_file):
-        old = read_json(run_file)
-        old = old.get("identity") if isinstance(old, dict) else None
-        if old != identity:
-            what = next((k for k in identity if (old or {}).get(k) != identity[k]), "inputs")
-            raise UsageError(f"--output-dir {args.output_dir}: holds checkpoints trained on other inputs ({what} "
-                             f"differs); use --overwrite or another folder")
-    out = outdir.claim("--output-dir", args.output_dir, "train", inputs, overwrite=args.overwrite)
+    out, previous = files.take_output("--output-dir", args.output_dir, "train", identity, inputs,
+                                      "checkpoints", overwrite=args.overwrite)
     said = resume_state(out)
     if said:
         log.info(said)
-    from .files import read_manifest
-    previous = None if args.overwrite else read_manifest(out)
-    begin_output(out)
-    write_json(os.path.join(out, RUN_FILE), {"stage": "train", "identity": identity})
     return out, previous
 
 
