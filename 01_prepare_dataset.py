@@ -73,8 +73,7 @@ def read_conversations(args, log):
 def main():
     args = parse_args()
     log = cli.setup_logging()
-    fp = verifier.fingerprint(args.model_path)
-    verifier.check_remote_code(args.model_path, args.trust_remote_code)
+    fp, _ = verifier.open_verifier(args.model_path, args.trust_remote_code)
     conversations.check_dataset(args.dataset)
     inputs = [("--model-path", args.model_path), ("--dataset", args.dataset)]
     outdir.check("--output-dir", args.output_dir, "prepare", inputs)

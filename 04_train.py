@@ -78,9 +78,7 @@ def main():
     log = cli.setup_logging()
     rank = int(os.environ.get("RANK", "0"))
     from eagle3pipe import training
-    fp = verifier.fingerprint(args.model_path)
-    verifier.check_remote_code(args.model_path, args.trust_remote_code)
-    tc = verifier.text_config(verifier.model_files(args.model_path)[0])
+    fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     verifier.check_draft_sources(args.model_path, tied=tc.get("tie_word_embeddings") is not False)
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data),
               ("--vocab-mapping", args.vocab_mapping)] + ([] if args.online else [("--hidden-states", args.hidden_states)])

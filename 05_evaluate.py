@@ -43,11 +43,10 @@ def main():
     args = parse_args()
     log = cli.setup_logging()
     from eagle3pipe import engine, evaluation
-    fp = verifier.fingerprint(args.model_path)
-    verifier.check_remote_code(args.model_path, args.trust_remote_code)
+    fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     evaluation.check_draft(args.draft, fp)
     gpus = engine.visible_gpus()
-    blocker = engine.eagle3_blocker(verifier.text_config(verifier.model_files(args.model_path)[0]), bool(gpus))
+    blocker = engine.eagle3_blocker(tc, bool(gpus))
     if blocker:  # refused in seconds, not after the verifier's load
         raise cli.UsageError(f"--model-path {args.model_path}: cannot evaluate an eagle3 draft here: {blocker}; run "
                              f"stage 05 on a GPU machine")

@@ -151,10 +151,7 @@ def plan(args):
     """Every check that needs no model load (`args`: settings.Extract) -> the Plan --dry-run prints."""
     from . import outdir, verifier
     jsonl, prep = resolve_prepared("--prepared-data", args.prepared_data)
-    fp = verifier.fingerprint(args.model_path)
-    verifier.check_remote_code(args.model_path, args.trust_remote_code)
-    cfg, _ = verifier.model_files(args.model_path)
-    tc = verifier.text_config(cfg)
+    fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     diff = verifier.same_verifier(fp, prep["verifier"])
     if diff:
         raise UsageError(f"--prepared-data {args.prepared_data}: prepared for another verifier ({diff}: "

@@ -107,6 +107,14 @@ def text_config(cfg):
     return tc if isinstance(tc, dict) else cfg
 
 
+def open_verifier(model_path, trust_remote_code):
+    """What every stage reads of its verifier before anything loads: (fingerprint, the language model's config);
+    a verifier that ships code transformers cannot replace needs --trust-remote-code (refused here otherwise)."""
+    fp = fingerprint(model_path)
+    check_remote_code(model_path, trust_remote_code)
+    return fp, text_config(model_files(model_path)[0])
+
+
 def fingerprint(model_path):
     """What identifies a verifier for the pipeline: shapes, vocab and a hash of the tokenizer files."""
     cfg, folder = model_files(model_path)
