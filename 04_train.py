@@ -20,7 +20,7 @@ Trainer run on CPU (eager loss, sdpa attention).
 import json
 import os
 
-from eagle3pipe import cli, compute, files, online, outdir, verifier
+from eagle3pipe import adapters, cli, compute, files, online, outdir, verifier
 
 
 def parse_args(argv=None):
@@ -79,6 +79,7 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     from eagle3pipe import training
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
+    adapters.check_private("speculators")  # the private names adapters.py relies on, before torch loads
     verifier.check_draft_sources(args.model_path, tied=tc.get("tie_word_embeddings") is not False)
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data),
               ("--vocab-mapping", args.vocab_mapping)] + ([] if args.online else [("--hidden-states", args.hidden_states)])
@@ -132,7 +133,7 @@ def main():
              f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
              f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}, {dtype.dtype}")
     try:
-        result = training.run(cfg, args, on_cpu, dtype.dtype)
+        result = training.run(cfg, args, on_cpu, dtype.dtype, online.loaders() if states else None)
     finally:
         if server:
             server.stop()

@@ -1,6 +1,6 @@
 """Benchmark: one step of torch's Muon optimizer (speculators' default) on SmolLM2 draft-shaped matrices, with its
 Newton-Schulz iterations in bf16 (torch's hard-coded choice) and in float32 (what stage 04 uses when it computes in
-float32: eagle3pipe/training.py muon_in_float32), in one process.
+float32: eagle3pipe/adapters.py muon_in_float32), in one process.
 
     python bench/bench_muon_cpu.py                 # this CPU's kernels
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/bench_muon_cpu.py
@@ -36,7 +36,7 @@ def step_seconds(repeats=2):
 
 def main():
     import torch
-    from eagle3pipe.training import muon_in_float32
+    from eagle3pipe.adapters import muon_in_float32
     res = {"torch_capability": torch.backends.cpu.get_cpu_capability(), "bf16_s": round(step_seconds(), 3)}
     with muon_in_float32("float32"):
         res["float32_s"] = round(step_seconds(), 3)

@@ -5,8 +5,8 @@
 Takes exactly the flags of `speculators train` and runs the same code: speculators' TrainConfig.resolve(argv) and
 speculators.train.cli.main(cfg) (its draft construction, d2t/t2d from <data-path>/token_freq.pt, its Arrow +
 hs_{i}.safetensors data loading, packing, TTT loss and checkpoints). Added on top, only when torch has no
-accelerator: the CPU compatibility patches of eagle3pipe.training (apply_cpu_compat and the Trainer subclass
-from make_trainer_class; see DESIGN.md section 4). The subclass also keeps a `last` symlink to the newest
+accelerator: the CPU adaptations of eagle3pipe/adapters.py (cpu_without_accelerator) and the Trainer subclass
+from eagle3pipe.training.make_trainer_class. The subclass also keeps a `last` symlink to the newest
 checkpoint, and its DenseLog appends every metric record to <save-path>/logs/metrics.jsonl.
 """
 import logging
@@ -17,10 +17,11 @@ import warnings
 
 def main(argv):
     import torch
-    import speculators.train.cli as scli
+    import contextlib
     from speculators.train.config import TrainConfig
 
-    from eagle3pipe.training import DenseLog, apply_cpu_compat, make_trainer_class
+    from eagle3pipe import adapters
+    from eagle3pipe.training import DenseLog, make_trainer_class
 
     cfg = TrainConfig.resolve(argv)  # speculators' own flag parsing (exits 2 on a bad flag)
     flat = cfg.flatten()
@@ -29,7 +30,6 @@ def main(argv):
         if flat["loss_implementation"] != "eager" or flat["draft_attn_impl"] not in ("sdpa", "eager"):
             sys.exit("on CPU pass --loss-implementation eager --draft-attn-impl sdpa "
                      "(the fused loss needs Triton on a GPU; flex attention is GPU-only)")
-        apply_cpu_compat()
         warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
 
     logs = os.path.join(os.path.abspath(flat["save_path"]), "logs")
@@ -44,8 +44,10 @@ def main(argv):
             logging.getLogger("speculators.metrics").addHandler(dense)
             super().setup_model()
 
-    scli.Trainer = BenchTrainer  # main() builds `Trainer(...)` from this module global
-    scli.main(cfg)
+    with contextlib.ExitStack() as stack:  # the pipeline's adaptations, for this run only (eagle3pipe/adapters.py)
+        if on_cpu:
+            stack.enter_context(adapters.cpu_without_accelerator())
+        stack.enter_context(adapters.speculators_entry(BenchTrainer)).main(cfg)
 
 
 if __name__ == "__main__":

@@ -178,6 +178,9 @@ def plan(s, fp, text_cfg, longest):
     engine_gpus, trainer_gpus = split_gpus(s.engine_gpus, len(gpus))
     shared = bool(engine_gpus) and set(engine_gpus) == set(trainer_gpus)
     dtype = compute.resolve(s.dtype, bool(gpus))
+    if s.backend == "vllm" and not gpus:  # our connector adapts vLLM's (adapters.py): the installed one must fit
+        from .adapters import check_private
+        check_private("vllm")
     if s.backend == "vllm" and gpus and dtype.dtype == "float32":
         raise UsageError("--dtype float32: vLLM's hidden-states connector on GPU stores states in the compute dtype, "
                          "and the trainer reads bf16; use --dtype auto (bf16 on GPUs) or --backend hf")
@@ -272,8 +275,8 @@ def worker_init(worker_id):
     _parent_death_signal(signal.SIGKILL)
     if os.getppid() == 1:  # the parent was gone before the line above
         os._exit(1)
-    # in a spawned worker the module is fresh: its _worker_init_fn is speculators' own
-    getattr(sdl, "_speculators_worker_init", sdl._worker_init_fn)(worker_id)
+    from .adapters import original
+    original(sdl, "_worker_init_fn")(worker_id)  # a forked worker inherits the patch; a spawned one has the original
 
 
 class Engine:
@@ -590,25 +593,26 @@ def __getattr__(name):  # a spawned data-loader worker unpickling the dataset fi
 
 
 def install(out, p, url):
-    """Register our transfer with speculators and make its loaders build OnlineArrowDataset. -> the transfer."""
-    import speculators.train.dataloader as sdl
-    from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
+    """Register our transfer with speculators (its public registry). -> the transfer."""
+    from hs_connectors.transfer import HiddenStatesTransfer
+    from .adapters import register_backend
     from .faults import nan_rows
     cache_dir, logs = os.path.join(out, CACHE), os.path.join(out, "logs")
     transfer = CacheTransfer(cache_dir, p.cache_bytes, os.path.join(logs, SKIPPED), 64, p.n_states, p.hidden_size,
                              nan_rows(), spool=spool_of(out, p))
     HiddenStatesTransfer.register(CacheTransfer)  # an ABC: ours is a virtual subclass
-
-    class OnlineBackend(HiddenStatesBackend):
-        add_train_args = add_launch_args = staticmethod(lambda parser: None)
-        build_kv_transfer_config = staticmethod(lambda args: {})
-        from_train_args = staticmethod(lambda args, data_path: transfer)
-    HiddenStatesBackend.registry[BACKEND] = OnlineBackend
-    sdl.ArrowDataset = dataset_class()
-    if not hasattr(sdl, "_speculators_worker_init"):
-        sdl._speculators_worker_init = sdl._worker_init_fn
-        sdl._worker_init_fn = worker_init
+    _transfer[0] = transfer
+    register_backend(BACKEND, lambda: _transfer[0])
     return transfer
+
+
+_transfer = [None]
+
+
+def loaders():
+    """For training.run: speculators' loaders build OnlineArrowDataset and start workers with worker_init."""
+    from .adapters import online_dataset
+    return online_dataset(dataset_class(), worker_init)
 
 
 def summary(out, p):

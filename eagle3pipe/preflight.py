@@ -170,6 +170,9 @@ def plan(args):
     n = fp["num_hidden_layers"]
     layer_ids = verifier.resolve_layer_ids(args.layer_ids, n)
     gpus = visible_gpus()
+    if args.backend == "vllm" and not gpus:  # our connector adapts vLLM's (adapters.py): the installed one must fit
+        from .adapters import check_private
+        check_private("vllm")
     if args.backend == "vllm":
         for what in ("num_attention_heads", "num_key_value_heads"):
             h = fp.get(what)

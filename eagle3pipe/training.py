@@ -174,16 +174,14 @@ def skipped_rows(out):
 
 def install_checked(transfer):
     """Make `transfer` what speculators' loaders read offline, through its public registry."""
-    from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
+    from hs_connectors.transfer import HiddenStatesTransfer
+    from .adapters import register_backend
     HiddenStatesTransfer.register(CheckedFiles)  # an ABC: ours is a virtual subclass
-    holder = install_checked.__dict__.setdefault("current", [None])
-    holder[0] = transfer
-    if CHECKED not in HiddenStatesBackend.registry:
-        @HiddenStatesBackend.register(CHECKED)
-        class CheckedBackend(HiddenStatesBackend):
-            add_train_args = add_launch_args = staticmethod(lambda parser: None)
-            build_kv_transfer_config = staticmethod(lambda args: {})
-            from_train_args = staticmethod(lambda args, data_path: holder[0])
+    _checked[0] = transfer
+    register_backend(CHECKED, lambda: _checked[0])
+
+
+_checked = [None]
 
 
 def _stored_ids(args, i):
@@ -274,59 +272,6 @@ class DenseLog(logging.Handler):
         return round(self.fetch_ms / self.step_ms, 4) if self.step_ms else None
 
 
-def apply_cpu_compat():
-    """speculators 0.9.0's Trainer assumes an accelerator. Four points, handled only when none is present:
-    1. `model.to(local_rank)` with the integer 0 means cuda:0 -> move to "cpu" instead (PipelineTrainer);
-    2. its step timer calls `torch.accelerator.synchronize()`, which raises with no accelerator -> a no-op;
-    3. autocast's device_type falls back to "cuda" -> "cpu" (bf16 autocast works on CPU) (PipelineTrainer);
-    4. the fused loss needs a Triton GPU driver and flex attention is GPU-only -> the eager loss and sdpa
-       attention, chosen in train_config().
-    And one more, found on resume: its checkpointer loads onto `get_current_device()`, which says "cuda:0"
-    with no accelerator -> "cpu". Nothing of speculators is forked or copied."""
-    import torch
-    import speculators.train.checkpointer as ckpt
-    if torch.accelerator.current_accelerator() is None:
-        torch.accelerator.synchronize = lambda *a, **k: None
-        ckpt.get_current_device = lambda: "cpu"
-
-
-@contextlib.contextmanager
-def muon_in_float32(dtype):
-    """speculators' default optimizer is torch.optim.Muon, which orthogonalizes each update by Newton-Schulz
-    iterations in bf16, hard-coded. Where the run computes in float32 (a CPU without native bf16) that emulated bf16
-    cost a SmolLM2 draft ~30 s a step under AVX2 kernels, against 0.6 s for the same iterations in float32
-    (docs/BENCHMARKS.md). So, with float32 compute and only while training runs, the same iteration (torch 2.13's
-    coefficients and steps, passed through) runs in float32: more precise, not different. A torch whose private
-    function has another signature keeps its own, with a warning."""
-    if dtype != "float32":
-        yield
-        return
-    import inspect
-    import torch
-    import torch.optim._muon as muon
-    orig = getattr(muon, "_zeropower_via_newtonschulz", None)
-    if orig is None or list(inspect.signature(orig).parameters) != ["grad", "ns_coefficients", "ns_steps", "eps"]:
-        log.warning(f"torch {torch.__version__}'s Muon internals differ from 2.13's: its Newton-Schulz stays in bf16, "
-                    f"slow on a CPU without native bf16 (or choose speculators' adamw)")
-        yield
-        return
-
-    def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
-        a, b, c = ns_coefficients
-        x = grad.float()
-        x = x.T if grad.size(0) > grad.size(1) else x  # [small, large]: the Gram matrix is the small one
-        x = x / x.norm().clamp(min=eps)
-        for _ in range(ns_steps):
-            gram = x @ x.T
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-        return x.T if grad.size(0) > grad.size(1) else x
-    muon._zeropower_via_newtonschulz = newton_schulz_float32
-    try:
-        yield
-    finally:
-        muon._zeropower_via_newtonschulz = orig
-
-
 TRAINING = [False]  # speculators' run_training is under way (its signal handler, or its interrupt save)
 
 
@@ -384,41 +329,6 @@ def acknowledged_signals(again_after=2.0):
         os.close(w)
         for s, h in handlers.items():
             signal.signal(s, h)
-
-
-ARTIFACTS = ("run.yaml", "train_command.txt", "speculators.patch")  # speculators writes these beside the checkpoints
-
-
-@contextlib.contextmanager
-def recorded_artifacts(config_class):
-    """speculators writes its reproducibility files into the output folder at start (`TrainConfig.save`, plain
-    writes that would follow a link): only where nothing or our own file stands, and recorded right after."""
-    orig = config_class.save
-
-    def save(self, save_dir):
-        paths = [os.path.join(save_dir, n) for n in ARTIFACTS]
-        for p in paths:
-            if os.path.lexists(p) and not outdir.owned(p):
-                raise RunError(f"{outdir.quote(p)}: is not this stage's file (a link, or someone else's); it is left "
-                               f"alone: move it away and rerun")
-        try:  # run.yaml by rename too (speculators writes it in place, through any hard link)
-            from speculators.train.config.artifacts import dump_yaml
-            from speculators.train.utils import save_train_command
-        except ImportError:
-            orig(self, save_dir)
-        else:
-            from .files import atomic_path
-            with atomic_path(paths[0]) as tmp, open(tmp, "w", encoding="utf-8") as f:
-                f.write(dump_yaml(self))
-            save_train_command(save_dir, argv=list(self.argv))
-        for p in paths:
-            if os.path.lexists(p):
-                outdir.record(p)
-    config_class.save = save
-    try:
-        yield
-    finally:
-        config_class.save = orig
 
 
 def make_trainer_class(dense_log, on_cpu, max_steps):
@@ -661,12 +571,11 @@ def fused_loss_fails(draft_vocab, ttt_steps, tokens=256):
         torch._dynamo.reset()
 
 
-def run(cfg, args, on_cpu, dtype="bfloat16"):
-    """speculators' own training entry point, with our Trainer subclass and dense log attached; `dtype` the compute
-    dtype (train_config's)."""
-    import speculators.train.cli as scli
-    if on_cpu:
-        apply_cpu_compat()
+def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None):
+    """speculators' own training entry point, with our Trainer subclass and dense log attached (adapters.py, for the
+    run only); `dtype` the compute dtype (train_config's); `loaders`: a context that adapts speculators' data loaders
+    for the run (online.loaders), or None."""
+    from . import adapters
     import warnings
     warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
     # float32 compute: autocast says it does not know float32 and turns itself off, which is the point
@@ -675,17 +584,6 @@ def run(cfg, args, on_cpu, dtype="bfloat16"):
     if int(os.environ.get("RANK", "0")) == 0:
         os.close(outdir.open_append(os.path.join(logs, "metrics.jsonl")))  # refused now, not after an epoch
     dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"))
-    setup = scli.setup_metric_logger
-
-    def setup_metric_logger(*a, **k):
-        """speculators' metric records are raw dicts printed through the root logger; keep its metric
-        backends (tensorboard, wandb, ...) and print our dense line instead of the dicts."""
-        setup(*a, **k)
-        metrics = logging.getLogger("speculators.metrics")
-        metrics.propagate = False
-        if int(os.environ.get("RANK", "0")) == 0:
-            metrics.addHandler(dense)
-    scli.setup_metric_logger = setup_metric_logger
     trainer_cls = make_trainer_class(dense, on_cpu, args.max_steps)
     holder = {}
 
@@ -697,8 +595,15 @@ def run(cfg, args, on_cpu, dtype="bfloat16"):
         def setup_model(self):
             holder["trainer"] = self
             super().setup_model()
-    scli.Trainer = Recording
-    with muon_in_float32(dtype), recorded_artifacts(type(cfg)), acknowledged_signals():
+    with contextlib.ExitStack() as stack:
+        scli = stack.enter_context(adapters.speculators_entry(
+            Recording, dense if int(os.environ.get("RANK", "0")) == 0 else None, own_metric_lines=False))
+        if on_cpu:
+            stack.enter_context(adapters.cpu_without_accelerator())
+        if loaders is not None:
+            stack.enter_context(loaders)
+        for ctx in (adapters.muon_in_float32(dtype), adapters.recorded_artifacts(type(cfg)), acknowledged_signals()):
+            stack.enter_context(ctx)
         scli.main(cfg)
     t = holder.get("trainer")
     path = t.checkpointer.path if t else None

