@@ -21,7 +21,8 @@ import os
 import time
 
 from eagle3pipe import cli, faults, outdir, preflight
-from eagle3pipe.extract_output import INCOMING, clear_spool, engine_log, finish, prepare_output
+from eagle3pipe.engine import clear_spool
+from eagle3pipe.extract_output import INCOMING, engine_log, finish, prepare_output
 from eagle3pipe.files import read_rows
 
 

@@ -14,13 +14,13 @@ Inputs:  stages 01 (rows, loss masks), 02 (hidden states, layer ids), 03 (d2t/t2
 Outputs: --output-dir/<epoch>/ speculators checkpoints (config.json + model.safetensors), `last` and
          `checkpoint_best` pointers, manifest.json, train.log-style dense lines on stderr. A rerun of the same
          command resumes from the last checkpoint (mid-epoch ones with --checkpoint-freq < 1).
-On a machine without an accelerator a small compatibility layer (eagle3pipe/training.py) makes speculators'
+On a machine without an accelerator a small compatibility layer (eagle3pipe/adapters.py) makes speculators'
 Trainer run on CPU (eager loss, sdpa attention).
 """
 import json
 import os
 
-from eagle3pipe import adapters, cli, compute, files, online, outdir, verifier
+from eagle3pipe import adapters, cli, compute, files, online_plan, outdir, verifier
 
 
 def parse_args(argv=None):
@@ -77,7 +77,7 @@ def main():
     args = parse_args()
     log = cli.setup_logging()
     rank = int(os.environ.get("RANK", "0"))
-    from eagle3pipe import training
+    from eagle3pipe import online, training
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     adapters.check_private("speculators")  # the private names adapters.py relies on, before torch loads
     verifier.check_draft_sources(args.model_path, tied=tc.get("tie_word_embeddings") is not False)
@@ -93,7 +93,8 @@ def main():
     if longest > args.total_seq_len:
         raise cli.UsageError(f"--total-seq-len {args.total_seq_len}: shorter than the longest row ({longest} tokens); "
                              f"raise it")
-    states = online.plan(args, fp, tc, longest) if args.online else None  # engine, GPUs, port: before anything loads
+    # the engine, its GPUs and port: before anything loads
+    states = online_plan.plan(args, fp, tc, longest, layer_ids) if args.online else None
     dtype = compute.for_cpu_or_gpu(args.dtype, args.device)
     if states and states.trainer_cvd:
         os.environ["CUDA_VISIBLE_DEVICES"] = states.trainer_cvd  # training keeps off the engine's GPUs
@@ -111,36 +112,18 @@ def main():
         dtype = compute.resolve(args.dtype, not on_cpu)
         if rank == 0:
             log.info(dtype.describe())
-    bridge, server = os.path.join(out, ".bridge"), None
-    if rank == 0:
-        if states:
-            log.info(online.describe(states, args.backend))
-            online.prepare(out, states)
-            server = online.launch(args, states, out, rows[0][0][:16])
-            server.watch(lambda why: online.stop_run(f"the extraction engine {why}", out))
-        training.build_bridge(rows, bridge, server and server.url)
-    url = training.wait_for_bridge(bridge, timeout=args.engine_timeout + 600)
     aux = ext["layer_ids"][:-1]  # the draft's inputs; the last id (n) is the verifier's last hidden state
-    if states:
-        online.install(out, states, url)
-    else:  # each sample checked where it is read: CRC, dtype, finite values
-        training.install_checked(training.CheckedFiles(os.path.abspath(args.hidden_states), len(ext["layer_ids"]),
-                                                       ext["verifier"]["hidden_size"],
-                                                       os.path.join(out, "logs", online.SKIPPED), len(rows), dtype.dtype))
-    cfg = training.train_config(args, bridge, aux, on_cpu, voc["counts"]["draft_vocab_size"],
-                                storage=ext.get("storage_dtype", "bf16"), engine_url=url, dtype=dtype.dtype)
-    log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(rows) - len(failed)} rows "
-             f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
-             f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}, {dtype.dtype}")
-    try:
-        result = training.run(cfg, args, on_cpu, dtype.dtype, online.loaders() if states else None)
-    finally:
-        if server:
-            server.stop()
-    if states:
-        result["online"] = online.summary(out, states)
-    else:
-        result["skipped_samples"] = training.skipped_rows(out)
+    bridge = os.path.join(out, ".bridge")  # stage 01's rows as speculators' Arrow table
+    data = online.Session(args, states, out, rank, rows, bridge) if states else \
+        training.OfflineData(args, ext, out, rank, rows, bridge, dtype.dtype)
+    with data:  # online: the engine runs (and is watched) until training ends
+        cfg = training.train_config(args, bridge, aux, on_cpu, voc["counts"]["draft_vocab_size"],
+                                    storage=ext.get("storage_dtype", "bf16"), engine_url=data.url, dtype=dtype.dtype)
+        log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(rows) - len(failed)} rows "
+                 f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
+                 f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}, {dtype.dtype}")
+        result = training.run(cfg, args, on_cpu, dtype.dtype, data.loaders())
+    result.update(data.summary())
     if os.path.basename(result["checkpoint_last"] or "") == "interrupted":  # SIGTERM/Ctrl-C: speculators saved it
         log.warning(f"stopped by a signal at step {result['steps']}; checkpoint {out}/interrupted; rerun the same "
                     f"command to resume")

@@ -143,3 +143,14 @@ def loaded_weights_bytes(stored_bytes, torch_dtype, dtype):
 
 if __name__ == "__main__":  # `python -m eagle3pipe.compute`: what auto chooses on this machine
     print(for_cpu_or_gpu("auto").describe())
+
+
+def available_ram():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -14,10 +14,15 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+
+from . import outdir
+from .errors import RunError
 
 log = logging.getLogger("eagle3")
 
@@ -56,7 +61,6 @@ def cpu_vllm_env(env=None):
 def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype, log_path, **kw):
     """A vllm.LLM for `model_path` computing in `dtype`; `kw` goes to vLLM as is (speculative_config,
     kv_transfer_config, ...). The engine's output goes to `log_path` (appended); a failure to start raises RunError."""
-    from .errors import RunError
     if not on_gpu:
         cpu_vllm_env()
     # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)
@@ -172,7 +176,6 @@ def engine_output(log_path):
 def open_log(log_path):
     """A file descriptor appending to `log_path`, never through a link planted there (outdir.open_append); RunError
     (one line) if it cannot be opened."""
-    from . import outdir
     return outdir.open_append(log_path)
 
 
@@ -247,3 +250,229 @@ def serve_command(model_path, draft, k, elsewhere=False):
     return (f"VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-{n - 1} VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
             f"{shlex.quote(sys.executable)} -m {server_module()} --model "
             f"{shlex.quote(model_path)} --enforce-eager --speculative-config {spec}")
+
+
+def wait_for_engine_file(path, spool, timeout=600):
+    """Return True once the engine's writer thread has finished `path` (it holds `path`.lock until then, and a dead
+    engine's lock is released with it), or False at once if `path` is not a file inside `spool`, the folder this
+    stage made for the engine: nothing outside it is read, waited on or deleted."""
+    import fcntl
+    if spool is None or not outdir.confined(spool, path):
+        return False
+    lock = path + ".lock"
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.time() > deadline:
+                    raise RunError(f"{outdir.quote(path)}: the engine did not finish writing it in {timeout} s")
+                time.sleep(0.01)
+    finally:
+        os.close(fd)
+    if outdir.confined(spool, lock):
+        os.unlink(lock)
+    return True
+
+
+def clear_spool(spool):
+    """Delete what an engine wrote into a spool folder this stage made: its hidden-state files and their locks, by
+    name, confined to the folder (outdir.remove_spool_file); anything else there stays."""
+    for name in os.listdir(spool):
+        if name.endswith(".safetensors"):
+            outdir.remove_spool_file(spool, os.path.join(spool, name))
+        elif name.endswith(".safetensors.lock") and not os.path.lexists(os.path.join(spool, name[:-5])):
+            outdir.remove_spool_file(spool, os.path.join(spool, name))
+
+
+def get_json(url, timeout):
+    """The JSON an HTTP endpoint answers; ValueError for anything that is not an HTTP answer with a JSON body (a port
+    that speaks another protocol), OSError when nothing answers within `timeout`."""
+    import http.client
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read(1 << 20))
+    except http.client.HTTPException as e:
+        raise ValueError(f"not an HTTP answer: {type(e).__name__}")
+
+
+# ---------------------------------------------------------------- the engine stage 04 --online serves from
+
+ENGINE_LOG = "engine.log"
+
+
+def launch(s, p, out, probe_ids, spool):
+    """Start the engine stage 04 owns (or point at --engine-address), wait until it answers, and check its first
+    answer (`probe_ids`: a few tokens of the first row) in `spool`, the one folder its files are used in.
+    `s`: settings.Train; `p`: online_plan.OnlinePlan. -> a Server."""
+    engine = Server(f"http://{p.address}/v1") if p.address else _start(s, p, out, spool)
+    try:
+        engine.probe(s.model_path, probe_ids, p.n_states, p.hidden_size, spool)
+    except RunError:
+        engine.stop()
+        raise
+    return engine
+
+
+def _start(s, p, out, spool):
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")  # our connector and hf_server import from here
+    if p.on_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = p.engine_cvd
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        cpu_vllm_env(env)
+    cmd = engine_command(s, p.layer_ids, spool, p.port, p.max_len, p.tp, p.memory, p.on_gpu, p.dtype)
+    engine = Server.start(cmd, env, os.path.join(out, ENGINE_LOG), p.port)
+    took = engine.wait_ready(s.engine_timeout)
+    log.info(f"extraction engine ({s.backend}, pid {engine.proc.pid}) ready in {took:.0f} s at {engine.url}; its "
+             f"log: {engine.log_path}")
+    return engine
+
+
+def engine_command(s, layer_ids, spool, port, max_len, tp, memory, on_gpu, dtype):
+    if s.backend == "hf":
+        cmd = [sys.executable, "-m", "eagle3pipe.hf_server", "--model-path", s.model_path, "--layer-ids",
+               ",".join(map(str, layer_ids)), "--spool", spool, "--port", str(port), "--dtype", dtype]
+        return cmd + (["--trust-remote-code"] if s.trust_remote_code else [])
+    cmd = [sys.executable, "-m", server_module(), "--model", s.model_path, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", dtype, "--max-model-len", str(max_len), "--no-enable-prefix-caching",
+           "--tensor-parallel-size", str(tp), "--gpu-memory-utilization", str(memory),
+           "--speculative-config", json.dumps({"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                               "draft_model_config": {"hf_config": {
+                                                   "eagle_aux_hidden_state_layer_ids": layer_ids}}}),
+           "--kv-transfer-config", json.dumps(connector_config(spool, on_gpu))]
+    if not on_gpu:
+        cmd.append("--enforce-eager")
+    return cmd + (["--trust-remote-code"] if s.trust_remote_code else [])
+
+
+def parent_death_signal(sig):
+    """Linux: this process gets `sig` when its parent dies, even by SIGKILL."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _die_with_parent():
+    """In the engine's process, before exec: SIGTERM when stage 04 dies, so no engine outlives it (holding its GPUs
+    and port); its own process group, stopped as a whole and untouched by the terminal's Ctrl-C."""
+    parent_death_signal(signal.SIGTERM)
+    os.setsid()
+
+
+class Server:
+    """The extraction engine stage 04 runs (or one at --engine-address): start, wait until it answers, watch it."""
+
+    def __init__(self, url, proc=None, log_path=None):
+        self.url, self.proc, self.log_path, self.stopping = url, proc, log_path, False
+
+    @classmethod
+    def start(cls, cmd, env, log_path, port):
+        f = os.fdopen(open_log(log_path), "ab")  # never through a link planted at that name
+        f.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        f.close()
+        return cls(f"http://127.0.0.1:{port}/v1", proc, log_path)
+
+    def last_line(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - 4096))
+                lines = [x for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+            return lines[-1].strip()[:300] if lines else ""
+        except (OSError, TypeError):
+            return ""
+
+    def wait_ready(self, timeout):
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RunError(f"the extraction engine exited with code {self.proc.returncode} while loading; its log "
+                               f"{self.log_path} ends: {self.last_line()}")
+            try:
+                get_json(self.url + "/models", 2)
+                return time.time() - t0
+            except (OSError, ValueError):
+                time.sleep(1)
+        raise RunError(f"the extraction engine did not answer at {self.url} within --engine-timeout {timeout} s; see "
+                       f"{self.log_path}")
+
+    def probe(self, model, token_ids, n_states, hidden, spool):
+        """One short request before training: the engine answers with a file this process can read, holding
+        [T, n_states, hidden] states for exactly these tokens. An engine storing other layers (another --layer-ids,
+        another model) or writing where this machine cannot read is refused here, not after the first batch."""
+        from .hidden_states import read_header
+        body = json.dumps({"model": model, "prompt": token_ids, "max_tokens": 1, "return_token_ids": True}).encode()
+        req = urllib.request.Request(self.url + "/completions", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                path = (json.loads(r.read()).get("kv_transfer_params") or {}).get("hidden_states_path")
+        except (OSError, ValueError) as e:
+            raise RunError(f"the extraction engine at {self.url} failed a first request ({e}); see its log "
+                           f"{self.log_path or 'on its host'}")
+        if not path:
+            raise RunError(f"the extraction engine at {self.url} returned no hidden_states_path: it runs without the "
+                           f"hidden-states connector")
+        if not outdir.confined(spool, path):
+            raise RunError(f"the extraction engine at {self.url} wrote {outdir.quote(path)}, outside the spool "
+                           f"{spool}; nothing there is read or deleted: start it with --spool {spool}")
+        try:
+            wait_for_engine_file(path, spool)
+            shape = read_header(path)[0]["hidden_states"]["shape"]
+            outdir.remove_spool_file(spool, path)
+        except (OSError, ValueError, KeyError) as e:
+            raise RunError(f"the extraction engine wrote {path}, which this process cannot read or delete ({e}); "
+                           f"its spool must be on a filesystem stage 04 shares")
+        if shape != [len(token_ids), n_states, hidden]:
+            raise RunError(f"the extraction engine at {self.url} stores hidden states of shape {shape} for "
+                           f"{len(token_ids)} tokens; this run needs [{len(token_ids)}, {n_states}, {hidden}] (its "
+                           f"layer ids or model differ from --layer-ids / --model-path)")
+
+    def watch(self, on_death, every=5.0):
+        """A daemon thread: when the engine dies (our child exits; an outside one fails 3 probes in a row),
+        `on_death(reason)` is called once."""
+        def loop():
+            misses = 0
+            while not self.stopping:
+                time.sleep(every)
+                if self.stopping:
+                    return
+                if self.proc is not None:
+                    if self.proc.poll() is not None:
+                        return on_death(f"exited with code {self.proc.returncode}; its log {self.log_path} ends: "
+                                        f"{self.last_line()}")
+                    continue
+                try:
+                    get_json(self.url + "/models", 5)
+                    misses = 0
+                except (OSError, ValueError) as e:
+                    misses += 1
+                    if misses >= 3:
+                        return on_death(f"at {self.url} stopped answering ({getattr(e, 'reason', e)})")
+        threading.Thread(target=loop, daemon=True, name="engine-watch").start()
+
+    def stop(self):
+        self.stopping = True
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass

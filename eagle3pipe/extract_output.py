@@ -5,6 +5,7 @@ import os
 import time
 
 from . import faults, files, outdir, verifier
+from .engine import clear_spool
 
 log = logging.getLogger("eagle3")
 SHARD_REPORT = ".shard-{}-of-{}.json"  # one per replica, written when it finishes
@@ -14,16 +15,6 @@ INCOMING = ".incoming"  # vLLM's connector writes here (a sub-folder per process
 def engine_log(shard=None):
     """The vLLM engine's log in the output folder: one per declared replica, so replicas never share one."""
     return f"engine.shard-{shard[0]}-of-{shard[1]}.log" if shard else "engine.log"
-
-
-def clear_spool(spool):
-    """Delete what an engine wrote into a spool folder this stage made: its hidden-state files and their locks, by
-    name, confined to the folder (outdir.remove_spool_file); anything else there stays."""
-    for name in os.listdir(spool):
-        if name.endswith(".safetensors"):
-            outdir.remove_spool_file(spool, os.path.join(spool, name))
-        elif name.endswith(".safetensors.lock") and not os.path.lexists(os.path.join(spool, name[:-5])):
-            outdir.remove_spool_file(spool, os.path.join(spool, name))
 
 
 def prepare_output(args, plan):

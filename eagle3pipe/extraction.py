@@ -17,7 +17,8 @@ import threading
 import time
 
 from . import faults, outdir
-from .errors import RunError, UsageError
+from .engine import wait_for_engine_file
+from .errors import UsageError
 from .hidden_states import SCALES, check_file, check_header, hs_path, load_checked, quantize_fp8, read_header, save
 
 log = logging.getLogger("eagle3")
@@ -170,37 +171,6 @@ class Writer:
                 t.join()
         if self.error and raise_error:
             raise self.error
-
-
-def wait_for_engine_file(path, spool, timeout=600):
-    """Return True once the engine's writer thread has finished `path` (it holds `path`.lock until then, and a dead
-    engine's lock is released with it), or False at once if `path` is not a file inside `spool`, the folder this
-    stage made for the engine: nothing outside it is read, waited on or deleted."""
-    import fcntl
-    if spool is None or not outdir.confined(spool, path):
-        return False
-    lock = path + ".lock"
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    try:
-        deadline = time.time() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.time() > deadline:
-                    raise RunError(f"{outdir.quote(path)}: the engine did not finish writing it in {timeout} s")
-                time.sleep(0.01)
-    finally:
-        os.close(fd)
-    if outdir.confined(spool, lock):
-        os.unlink(lock)
-    return True
 
 
 def load_engine_file(path, token_ids, n_states, hidden, spool):

@@ -14,14 +14,15 @@ Memory model (an estimate, deliberately on the safe side):
   available     = GPU: memory per GPU * --gpu-memory-utilization * tp - weights; CPU: MemAvailable - weights
 """
 import dataclasses
-import glob
 import os
 import shutil
 from typing import Optional
 
 from . import compute
 from .errors import UsageError
+from .compute import available_ram
 from .engine import visible_gpus
+from .verifier import weights_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,32 +55,6 @@ class Plan:
     @property
     def on_gpu(self):
         return self.gpus > 0
-
-
-def available_ram():
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def weights_bytes(model_path):
-    """The checkpoint's bytes: its index's total_size (what a quantized checkpoint really holds: INT4 experts count
-    half a byte per weight), else the size of its weight files."""
-    if not os.path.isdir(model_path):
-        return None  # a hub id: unknown until downloaded
-    index = os.path.join(model_path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        from .files import read_json
-        total = (read_json(index).get("metadata") or {}).get("total_size")
-        if isinstance(total, int) and total > 0:
-            return total
-    files = glob.glob(os.path.join(model_path, "*.safetensors")) or glob.glob(os.path.join(model_path, "*.bin"))
-    return sum(os.path.getsize(f) for f in files)
 
 
 def per_token_bytes(cfg, n_states, value_bytes=2):

@@ -106,6 +106,7 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
     return prep, ext, voc, rows, failed
 
 
+SKIPPED = "skipped.jsonl"  # in logs/: one line per sample skipped, offline (CheckedFiles) and online alike
 CHECKED = "eagle3pipe-checked"  # our transfer's name in speculators' backend registry
 MAX_BAD_SHARE = 0.01  # of the rows: more bad samples than this (and more than one) stop the run
 
@@ -166,7 +167,7 @@ class CheckedFiles:
 def skipped_rows(out):
     """How many samples CheckedFiles skipped in this folder's runs (logs/skipped.jsonl)."""
     try:
-        with open(os.path.join(out, "logs", "skipped.jsonl"), encoding="utf-8") as f:
+        with open(os.path.join(out, "logs", SKIPPED), encoding="utf-8") as f:
             return len({json.loads(line)["row"] for line in f if line.strip()})
     except (OSError, ValueError, KeyError, TypeError):
         return 0
@@ -182,6 +183,35 @@ def install_checked(transfer):
 
 
 _checked = [None]
+
+
+class OfflineData:
+    """Stage 02's files, entered around training like online.Session: rank 0 writes the training table, every rank
+    waits for it and registers the checked transfer (each sample checked where it is read: CRC, dtype, finite
+    values). `loaders()`: speculators' own; `summary()`: the samples skipped."""
+
+    def __init__(self, args, ext, out, rank, rows, bridge, dtype):
+        self.args, self.ext, self.out, self.rank, self.rows, self.bridge, self.dtype = \
+            args, ext, out, rank, rows, bridge, dtype
+        self.url = None
+
+    def __enter__(self):
+        if self.rank == 0:
+            build_bridge(self.rows, self.bridge)
+        wait_for_bridge(self.bridge)
+        install_checked(CheckedFiles(os.path.abspath(self.args.hidden_states), len(self.ext["layer_ids"]),
+                                     self.ext["verifier"]["hidden_size"], os.path.join(self.out, "logs", SKIPPED),
+                                     len(self.rows), self.dtype))
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def loaders(self):
+        return None
+
+    def summary(self):
+        return {"skipped_samples": skipped_rows(self.out)}
 
 
 def _stored_ids(args, i):
@@ -510,7 +540,7 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16
         "logger": "", "hidden_states_dtype": dtype,
     }
     if args.online:  # speculators' on-demand generation, through our transfer (online.py): cache first, then the engine
-        from .online import BACKEND, CACHE
+        from .sample_cache import BACKEND, CACHE
         flat.update(hidden_states_backend=BACKEND, hidden_states_path=os.path.join(os.path.abspath(args.output_dir),
                     CACHE), on_missing="generate", vllm_endpoint=engine_url, generation_validation_retries=1,
                     request_timeout=600.0, prefetch_factor=2)

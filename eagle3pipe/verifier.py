@@ -5,6 +5,7 @@ of decoder layer k = the output of layer k-1 (id 0 = the embedding output); id n
 last decoder layer BEFORE the final norm. The default auxiliary ids are [2, n//2, n-3]; id n is always
 stored after them.
 """
+import glob
 import hashlib
 import json
 import os
@@ -295,3 +296,18 @@ def check_draft_sources(model_path, tied):
         if dtypes[name] not in FLOAT_DTYPES:
             raise UsageError(f"--model-path {model_path}: the verifier's {name} is stored as {dtypes[name]} "
                              f"(quantized); the draft needs it unquantized (bf16, fp16 or fp32)")
+
+
+def weights_bytes(model_path):
+    """The checkpoint's bytes: its index's total_size (what a quantized checkpoint really holds: INT4 experts count
+    half a byte per weight), else the size of its weight files."""
+    if not os.path.isdir(model_path):
+        return None  # a hub id: unknown until downloaded
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        from .files import read_json
+        total = (read_json(index).get("metadata") or {}).get("total_size")
+        if isinstance(total, int) and total > 0:
+            return total
+    files = glob.glob(os.path.join(model_path, "*.safetensors")) or glob.glob(os.path.join(model_path, "*.bin"))
+    return sum(os.path.getsize(f) for f in files)

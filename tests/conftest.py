@@ -25,11 +25,26 @@ def load_script(name):
 
 
 def run_script(*args, cwd=REPO, timeout=900, env=None):
-    """Run a numbered script in a subprocess -> (CompletedProcess, seconds)."""
+    """Run a numbered script in a subprocess -> (CompletedProcess, seconds). `p.heavy`: the heavy libraries (torch,
+    vLLM, transformers, speculators) it imported, in order (tests/importwatch)."""
+    import tempfile
     t0 = time.time()
-    e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    p = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=e)
+    fd, log = tempfile.mkstemp(prefix="imports-")
+    os.close(fd)
+    path = os.pathsep.join([os.path.join(REPO, "tests", "importwatch")] + [x for x in [os.environ.get("PYTHONPATH")] if x])
+    e = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, "EAGLE3_TEST_IMPORT_LOG": log, **(env or {})}
+    try:
+        p = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=e)
+        with open(log) as f:
+            p.heavy = list(dict.fromkeys(f.read().split()))
+    finally:
+        os.unlink(log)
     return p, time.time() - t0
+
+
+def loaded_nothing(p):
+    """True if the process imported none of the heavy libraries: a refusal came before any model could load."""
+    return not p.heavy
 
 
 @pytest.fixture(scope="session")

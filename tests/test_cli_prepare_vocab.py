@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import run_script
+from conftest import loaded_nothing, run_script
 
 GOOD = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]}
 
@@ -79,7 +79,7 @@ def assert_refused(p, secs, *needles):
     assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
     for n in needles:
         assert n in lines[0], (n, lines[0])
-    assert secs < 3.0, f"refusal took {secs:.1f}s"
+    assert loaded_nothing(p), f"refused only after importing {p.heavy}"
 
 
 @pytest.mark.parametrize("name,content,needles", [

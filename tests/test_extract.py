@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, run_script
+from conftest import REPO, loaded_nothing, run_script
 from test_cli_prepare_vocab import assert_refused
 
 N = 12
@@ -104,7 +104,7 @@ def test_dry_run_prints_the_plan_and_loads_nothing(prep, model_path, tmp_path):
     p, secs = extract(model_path, prep, tmp_path / "hs", "--dry-run")
     assert p.returncode == 0, p.stderr
     assert "layer ids: [2, 15, 27, 30]" in p.stdout and "disk:" in p.stdout and "memory:" in p.stdout
-    assert secs < 3.0 and not (tmp_path / "hs").exists()
+    assert loaded_nothing(p) and not (tmp_path / "hs").exists(), p.heavy
     # the compute dtype and its reason, before anything loads: what auto picks on this machine, or what was asked
     assert f"  {compute.resolve('auto', on_gpu=False).describe()}\n" in p.stdout
     p, _ = extract(model_path, prep, tmp_path / "hs", "--dry-run", "--dtype", "float32")

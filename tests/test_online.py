@@ -86,13 +86,13 @@ def _sample(folder, i, ids, n_states=4, hidden=8):
 
 @pytest.mark.unit
 def test_cache_keeps_to_its_budget_recounts_and_regenerates_corrupt_files(tmp_path):
-    from eagle3pipe import online, outdir
+    from eagle3pipe import outdir, sample_cache
     out = tmp_path / "out"
     outdir.claim("--output-dir", str(out), "train")
     cache, spool = out / "cache", out / "spool"
     outdir.make_dir(str(spool))
-    online.prepare_cache(str(cache), 10_000)
-    t = online.CacheTransfer(str(cache), 10_000, str(tmp_path / "skipped.jsonl"), 4, 4, 8, spool=str(spool))
+    sample_cache.prepare_cache(str(cache), 10_000)
+    t = sample_cache.CacheTransfer(str(cache), 10_000, str(tmp_path / "skipped.jsonl"), 4, 4, 8, spool=str(spool))
     t.local = type("L", (), {})()
     ids = list(range(100))  # 100 tokens x 4 states x 8 x 2 bytes = 6.4 KB of states per file: one fits, two do not
     kept = []
@@ -116,7 +116,7 @@ def test_cache_keeps_to_its_budget_recounts_and_regenerates_corrupt_files(tmp_pa
         outdir.install(path, hs_path(str(cache), i))
     path, _ = _sample(str(tmp_path), 6, ids)
     os.replace(path, hs_path(str(cache), 6))
-    files, used = online.prepare_cache(str(cache), 10_000)
+    files, used = sample_cache.prepare_cache(str(cache), 10_000)
     assert files == 1 and used <= 10_000
     assert sorted(n for n in os.listdir(cache) if n.startswith("hs_")) == ["hs_6.safetensors", "hs_7.safetensors"]
     st = os.stat(cache / "hs_7.safetensors")
@@ -137,7 +137,7 @@ def np_int(x):
 @pytest.mark.unit
 def test_gpu_split_between_engine_and_training():
     from eagle3pipe.cli import UsageError
-    from eagle3pipe.online import split_gpus
+    from eagle3pipe.online_plan import split_gpus
     assert split_gpus(None, 0) == ([], [])
     assert split_gpus(None, 1) == ([0], [0])  # one GPU: shared
     assert split_gpus(None, 2) == ([0], [1])

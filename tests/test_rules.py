@@ -339,7 +339,8 @@ def test_quantized_embedding_or_head_is_refused(tmp_path):
 
 def test_memory_model_for_mla_and_moe_and_int4_weights(tmp_path):
     import json
-    from eagle3pipe.preflight import per_token_bytes, weights_bytes
+    from eagle3pipe.preflight import per_token_bytes
+    from eagle3pipe.verifier import weights_bytes
     kimi = {"num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 64, "kv_lora_rank": 512,
             "qk_rope_head_dim": 64, "intermediate_size": 18432, "moe_intermediate_size": 2048,
             "num_experts_per_tok": 8, "n_shared_experts": 1}
@@ -372,7 +373,7 @@ def test_a_stage02_manifest_that_contradicts_its_own_identity_is_refused(tmp_pat
 def test_an_engine_port_that_speaks_something_else_is_one_line():
     import socket
     import threading
-    from eagle3pipe import online
+    from eagle3pipe import online_plan
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(4)
@@ -387,7 +388,7 @@ def test_an_engine_port_that_speaks_something_else_is_one_line():
             pass
     threading.Thread(target=answer, daemon=True).start()
     with pytest.raises(UsageError, match="no engine answers .*not an HTTP answer"):
-        online.check_address("--engine-address", f"127.0.0.1:{srv.getsockname()[1]}", "m")
+        online_plan.check_address("--engine-address", f"127.0.0.1:{srv.getsockname()[1]}", "m")
     srv.close()
 
 

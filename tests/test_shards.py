@@ -44,7 +44,7 @@ def test_two_shards_as_two_processes_equal_one_run(prep, hf_out, model_path, tmp
     path.write_bytes(bytes(data))
     (out / "hs_5.safetensors").unlink()
     p, secs = extract(model_path, prep, out, "--backend", "hf", "--verify")
-    assert p.returncode == 1 and secs < 30
+    assert p.returncode == 1 and "vllm" not in p.heavy and "transformers" not in p.heavy, p.heavy  # no model
     assert "2 rows have no valid file" in p.stderr and "hs_3.safetensors" in p.stderr, p.stderr
     assert "checksum mismatch" in p.stderr and "rerun shard(s) 1/2" in p.stderr, p.stderr
     p, _ = extract(model_path, prep, out, "--backend", "hf", "--shard", "1/2")  # redoes exactly those two

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import REPO, run_script
+from conftest import REPO, loaded_nothing, run_script
 from eagle3pipe.hidden_states import check_file, hs_path
 
 # two points in the default (CI) set, all five with -m slow
@@ -132,7 +132,7 @@ def test_full_disk_mid_run_is_one_line_and_a_rerun_with_space_completes(stages, 
 def test_preflight_refuses_a_disk_too_small_for_the_estimate(stages, model_path, small_disk):
     disk = small_disk(1)
     p, secs = run_script(*cmd(model_path, stages["prepared"], disk / "hs"))
-    assert p.returncode == 2 and secs < 3, p.stderr
+    assert p.returncode == 2 and loaded_nothing(p), (p.heavy, p.stderr)
     assert f"--output-dir {disk / 'hs'}: needs about" in p.stderr and "GB free" in p.stderr
     assert not (disk / "hs").exists()
 
@@ -152,7 +152,7 @@ def test_corrupt_files_are_found_by_the_resume_and_redone(stages, model_path, tm
     os.remove(out / "hs_4.safetensors")
     shutil.copy(out / "hs_0.safetensors", out / "hs_4.safetensors")  # a valid file of another row, put there by hand
     p, secs = run_script(*cmd(model_path, stages["prepared"], out))
-    assert p.returncode == 2 and "holds 'hs_4.safetensors'" in p.stderr and secs < 30, p.stderr[-2000:]  # not ours
+    assert p.returncode == 2 and "holds 'hs_4.safetensors'" in p.stderr, p.stderr[-2000:]  # not ours
     os.remove(out / "hs_4.safetensors")
     p, _ = run_script(*cmd(model_path, stages["prepared"], out))
     assert p.returncode == 0, p.stderr[-2000:]

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, run_script, train_args
+from conftest import REPO, loaded_nothing, run_script, train_args
 
 
 def snapshot(*roots):
@@ -33,7 +33,7 @@ def refused(p, secs, *needles):
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in p.stderr, p.stderr[-3000:]
     for n in needles:
         assert n in lines[0], (n, lines[0])
-    assert secs < 3.0, f"refusal took {secs:.1f} s"
+    assert loaded_nothing(p), f"refused only after importing {p.heavy}"
 
 
 def script(name):
