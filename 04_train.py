@@ -93,6 +93,10 @@ def main():
     if longest > args.total_seq_len:
         raise cli.UsageError(f"--total-seq-len {args.total_seq_len}: shorter than the longest row ({longest} tokens); "
                              f"raise it")
+    training.check_split(len(rows), args.val_ratio)
+    from eagle3pipe.engine import visible_gpus
+    training.check_draft_memory(args.num_layers, tc, voc["counts"]["draft_vocab_size"],
+                                args.device != "cpu" and bool(visible_gpus()))
     # the engine, its GPUs and port: before anything loads
     states = online_plan.plan(args, fp, tc, longest, layer_ids) if args.online else None
     dtype = compute.for_cpu_or_gpu(args.dtype, args.device)

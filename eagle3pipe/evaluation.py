@@ -4,6 +4,7 @@ Acceptance length = 1 + accepted draft tokens / drafting steps (the tokens a ver
 per-position rate i = drafts whose i-th token was accepted / drafts. Both come from vLLM's own spec-decode
 counters, read before and after each run so every batch size gets its own figures.
 """
+import json
 import logging
 import os
 import time
@@ -51,6 +52,45 @@ def check_draft(draft, fp):
         if man.get("stage") == "train" and diff:
             raise UsageError(f"--draft {draft}: trained for another verifier ({diff} differs from --model-path)")
     return cfg
+
+
+def held_out_skip(prompts, prepared_data):
+    """How many leading records of `prompts` stage 01 trained on, to skip: every one of them when --prepared-data's
+    dataset is the same source (paths compared resolved, against the folder stage 01 ran in). -> (skip, a warning or
+    None). A --prepared-data that is not a stage 01 folder is refused: evaluating on training data would go unseen."""
+    from .files import load_stage
+    if not os.path.exists(prepared_data):
+        return 0, (f"--prepared-data {prepared_data}: not found, so which records of --prompts stage 01 trained on "
+                   f"is unknown; evaluating from the first record (give stage 01's folder to skip them)")
+    prep = load_stage("--prepared-data", prepared_data, "prepare")
+
+    def source(name, cwd):
+        path = os.path.join(cwd or os.getcwd(), name) if isinstance(name, str) else None
+        return os.path.realpath(path) if path and os.path.exists(path) else name
+    same = source(prep["args"].get("dataset"), prep.get("cwd")) == source(prompts, None)
+    return (prep["counts"]["records_read"] if same else 0), None
+
+
+def read_train_metrics(draft):
+    """Stage 04's logs/metrics.jsonl beside a stage 04 checkpoint (for the plot), or []; lines that are not JSON
+    objects (a log cut short) are skipped, and counted in the warning. -> (records, warning or None)."""
+    path = os.path.join(os.path.dirname(os.path.realpath(draft)), "logs", "metrics.jsonl")
+    if not os.path.isfile(path):
+        return [], None
+    from .files import open_input
+    records, bad = [], 0
+    with open_input(path, "rb") as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except (ValueError, RecursionError):
+                r = None
+            if isinstance(r, dict):
+                records.append(r)
+            else:
+                bad += 1
+    return records, (f"{path}: {bad} lines are not JSON records (a log cut short?); the plot leaves them out"
+                     if bad else None)
 
 
 def select_prompts(args, skip):

@@ -6,6 +6,7 @@ import time
 
 from . import faults, files, outdir, verifier
 from .engine import clear_spool
+from .errors import UsageError
 
 log = logging.getLogger("eagle3")
 SHARD_REPORT = ".shard-{}-of-{}.json"  # one per replica, written when it finishes
@@ -25,6 +26,13 @@ def prepare_output(args, plan):
                 "prepared": plan.prepared_manifest["content_id"], "rows": plan.rows,
                 # "bfloat16": the name folders written before fp8 existed carry, so they still resume
                 "storage_dtype": {"bf16": "bfloat16"}.get(args.storage_dtype, args.storage_dtype)}
+    if args.shard and os.path.isdir(out) and not args.overwrite:  # every replica splits the rows the same way
+        import re
+        for name in sorted(os.listdir(out)):
+            m = re.fullmatch(r"\.(?:eagle3\.)?shard-(\d+)-of-(\d+)\.(?:json|lock)", name)
+            if m and int(m.group(2)) != args.shard[1]:
+                raise UsageError(f"--shard {args.shard[0]}/{args.shard[1]}: {out} is split {m.group(2)} ways by "
+                                 f"earlier replicas ({name}); give every replica the same count")
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data)]
     out, _ = files.take_output(
         "--output-dir", out, "extract", identity, inputs, "hidden states", args.shard, args.overwrite, args.dry_run,

@@ -194,7 +194,25 @@ def manifest(stage, settings, **fields):
         "python": platform.python_version(),
         "host": platform.node(),
         "command": shlex.join([sys.executable] + sys.argv),
+        "cwd": os.getcwd(),  # where relative paths in `args` and `command` point
+        "code": code_version(),
     }
+
+
+def code_version():
+    """This checkout's git commit and whether its tracked files differ from it (None outside a git checkout, or
+    when git does not answer within 5 s)."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if commit.returncode or dirty.returncode:
+        return None
+    return {"commit": commit.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
 
 
 def load_stage(flag, folder, stage):

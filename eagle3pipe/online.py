@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 
-from . import engine, online_plan, sample_cache, training
+from . import engine, online_plan, outdir, sample_cache, training
 
 log = logging.getLogger("eagle3")
 
@@ -38,15 +38,15 @@ class Session:
 
     def __init__(self, args, plan, out, rank, rows, bridge):
         self.args, self.plan, self.out, self.rank, self.rows, self.bridge = args, plan, out, rank, rows, bridge
-        self.server, self.url = None, None
+        self.server, self.url, self.spool = None, None, None
 
     def __enter__(self):
         args, p, out = self.args, self.plan, self.out
         try:
             if self.rank == 0:
                 log.info(online_plan.describe(p, args.backend))
-                spool = sample_cache.prepare(out, p)
-                self.server = engine.launch(args, p, out, self.rows[0][0][:16], spool)
+                self.spool = sample_cache.prepare(out, p)
+                self.server = engine.launch(args, p, out, self.rows[0][0][:16], self.spool)
                 self.server.watch(lambda why: stop_run(f"the extraction engine {why}", out))
                 training.build_bridge(self.rows, self.bridge, self.server.url)
             self.url = training.wait_for_bridge(self.bridge, timeout=args.engine_timeout + 600)
@@ -59,6 +59,9 @@ class Session:
     def __exit__(self, *exc):
         if self.server:
             self.server.stop()
+        if self.spool and not self.plan.spool:  # ours: what the stopped engine left in flight goes, then the folder
+            engine.clear_spool(self.spool)
+            outdir.remove(self.spool)
 
     def loaders(self):
         return sample_cache.loaders()

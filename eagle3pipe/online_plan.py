@@ -123,6 +123,18 @@ def plan(s, fp, text_cfg, longest, layer_ids):
         if not os.path.isdir(s.engine_spool):
             raise UsageError(f"--engine-spool {s.engine_spool}: not a folder; give the folder the engine at "
                              f"--engine-address writes to")
+        from . import outdir
+        # the files the engine hands back are deleted once read: never in a stage's folder or this run's inputs
+        outdir.check_path("--engine-spool", s.engine_spool, [
+            ("--prepared-data", s.prepared_data), ("--vocab-mapping", s.vocab_mapping), ("--model-path", s.model_path)])
+        spool, out = os.path.realpath(s.engine_spool), os.path.realpath(s.output_dir)  # the output may not exist yet
+        if spool == out or spool.startswith(out + os.sep) or out.startswith(spool.rstrip(os.sep) + os.sep):
+            raise UsageError(f"--engine-spool {s.engine_spool}: is, holds or sits inside --output-dir "
+                             f"{s.output_dir}; give the engine a folder of its own")
+        for record in (outdir.LEDGER, outdir.OLD_RECORD):
+            if os.path.lexists(os.path.join(s.engine_spool, record)):
+                raise UsageError(f"--engine-spool {s.engine_spool}: holds a pipeline stage's output ({record}); give "
+                                 f"the engine a folder of its own")
         return OnlinePlan(address=s.engine_address, port=None, engine_cvd=None, trainer_cvd=None, tp=1, memory=0.0,
                     spool=os.path.abspath(s.engine_spool), **common)
     gpus = visible_gpus()

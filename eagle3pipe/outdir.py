@@ -91,14 +91,14 @@ def check_path(flag, path, inputs=()):
 HEAD = 4096  # a finished file's identity includes a hash of its first bytes (a header and its checksum, a manifest)
 
 
-def _head_hash(path):
+def _head_hash(path, n=HEAD):
     import hashlib
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return ""
     try:
-        return hashlib.sha256(os.read(fd, HEAD)).hexdigest()[:16]
+        return hashlib.sha256(os.read(fd, n)).hexdigest()[:16]
     finally:
         os.close(fd)
 
@@ -138,8 +138,9 @@ def matches(recorded, st, path):
         same_time = recorded[4] == now[4]
         fine_time = same_time and recorded[4] % 1_000_000_000 != 0  # a time to the ns is no accident; to the s might be
         return fine_time or ((same_time or same_head) and (same_inode or recorded[3] == now[3]))
-    if kind == "g":  # a log this stage appends to
-        return now[0] == "f" and same_inode
+    if kind == "g":  # a log this stage appends to: the same inode, or a copy that starts with what it held then
+        n = min(recorded[3], HEAD)
+        return now[0] == "f" and (same_inode or (n > 0 and now[3] >= recorded[3] and recorded[5] == _head_hash(path, n)))
     if kind == "t":  # a temporary file or link, recorded before it exists: its fresh random name identifies it
         return now[0] in ("f", "l") and bool(TEMP.fullmatch(os.path.basename(path)))
     if kind == "l":
@@ -312,6 +313,8 @@ def record(path, kind=None):
     ident = identity(os.lstat(path), path if kind in (None, "f", "l") else None)
     if kind:
         ident[0] = kind
+    if kind == "g":  # only appended to: its first bytes as they are now stay what they are
+        ident[5] = _head_hash(path, min(ident[3], HEAD)) if ident[3] else ""
     led.append(rel, ident)
 
 
@@ -538,6 +541,18 @@ def replace_dir(src, dst):
     for r, ident in sorted(led.entries.items()):
         if r == rel or r.startswith(rel + "/"):
             led.append(new + r[len(rel):], ident)
+            led.append(r, None)
+
+
+def move_aside(src, dst):
+    """Rename the stage's folder `src`, which holds files no record proves the stage's, to the new name `dst`: nothing
+    in it is deleted or changed, and from then on none of it counts as the stage's (the record forgets it)."""
+    led, rel = _ledger_of(src)
+    if led is None or not led.owns(rel) or led.entries[rel][0] != "d" or os.path.lexists(dst):
+        raise RunError(f"{quote(src)}: cannot be moved aside to {quote(dst)}; move it away and rerun")
+    os.rename(src, dst)
+    for r in sorted(led.entries):
+        if r == rel or r.startswith(rel + "/"):
             led.append(r, None)
 
 

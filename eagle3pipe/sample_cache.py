@@ -275,17 +275,27 @@ def summary(out, p):
 
 
 def spool_of(out, p):
-    """The one folder an engine's answers are used in: `<output-dir>/.online` for the engine stage 04 starts, or the
-    --engine-spool an engine at --engine-address writes to."""
+    """The one folder an engine's answers are used in: `<output-dir>/.online` for the engine stage 04 starts (it
+    writes into `.online/<pid>`), or the --engine-spool an engine at --engine-address writes to."""
     return p.spool or os.path.join(out, SPOOL)
 
 
 def prepare(out, p):
     """Rank 0, before the engine starts and before the other ranks read anything: the spool emptied of engine files
     (it holds only files in flight: a killed run's are stale; anything else there stays), the cache recounted, logs/
-    made. -> the spool."""
-    spool = spool_of(out, p) if p.spool else outdir.make_dir(os.path.join(out, SPOOL))
-    clear_spool(spool)
+    made. -> the folder the engine writes to. For an engine stage 04 starts: `.online/<pid>`, fresh (what engines
+    of dead runs left in theirs goes, told by its format: engine.clear_spool). An --engine-spool is never cleared:
+    only the files that engine hands back are deleted, once read."""
+    if p.spool:
+        spool = p.spool
+    else:
+        root = outdir.make_dir(os.path.join(out, SPOOL))
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if name.isdigit() and not outdir.pid_alive(int(name)) and outdir.owned(path):
+                clear_spool(path)
+                outdir.remove(path)
+        spool = outdir.make_dir(os.path.join(root, str(os.getpid())))
     outdir.make_dir(os.path.join(out, "logs"))
     cache_dir = os.path.join(out, CACHE)
     files, used = prepare_cache(cache_dir, p.cache_bytes)

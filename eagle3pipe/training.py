@@ -20,10 +20,6 @@ from .hidden_states import SCALES, check_header, hs_path, load_sample, read_toke
 from .verifier import same_verifier
 
 STAGING = ".saving"  # speculators writes each checkpoint here; it is renamed into place once complete
-# what speculators writes into a checkpoint folder (a kill mid-save leaves some of them in STAGING/<epoch>)
-CHECKPOINT_FILES = r"(config|generation_config|training_state|val_metrics)\.json|model(-\d+-of-\d+)?\.safetensors" \
-                   r"(\.index\.json)?|(optimizer|scheduler)_state_dict\.pt|train_command\.txt|[\w-]+\.py|epoch\d+_(end|step\d+)" \
-                   r"|\.tmp\w+"  # the last: a temporary name of a save cut short
 DATASET_FILES = r"data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|\.done"  # datasets' save_to_disk, and ours
 
 log = logging.getLogger("eagle3")
@@ -214,6 +210,30 @@ class OfflineData:
         return {"skipped_samples": skipped_rows(self.out)}
 
 
+def check_split(rows, val_ratio):
+    """speculators splits the rows at int(rows x (1 - val_ratio)): both sides must hold a row."""
+    cut = int(rows * (1 - val_ratio))
+    if not 0 < cut < rows:
+        raise UsageError(f"--val-ratio {val_ratio}: of {rows} rows it leaves {cut} to train on and {rows - cut} to "
+                         f"validate; both need at least one (more rows, or another ratio)")
+
+
+def check_draft_memory(num_layers, text_cfg, draft_vocab, on_gpu):
+    """On a CPU, refuse a draft whose training state (float32 weights, gradients and two AdamW moments: 16 bytes a
+    parameter, plus the verifier's frozen bf16 embedding) exceeds 90 % of the available RAM, before it is built."""
+    if on_gpu:
+        return
+    from .compute import available_ram
+    h = text_cfg["hidden_size"]
+    inter = text_cfg.get("intermediate_size") or 4 * h
+    trainable = num_layers * (4 * h * h + 3 * h * inter) + 3 * h * h + draft_vocab * h
+    need = trainable * 16 + text_cfg["vocab_size"] * h * 2
+    have = available_ram() * 0.9
+    if need > have:
+        raise UsageError(f"--num-layers {num_layers}: training this draft takes about {need / 1e9:.1f} GB, more than "
+                         f"the {have / 1e9:.1f} GB of RAM available here; use fewer layers")
+
+
 def _stored_ids(args, i):
     try:
         return read_token_ids(hs_path(args.hidden_states, i))
@@ -402,18 +422,21 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
                 super().maybe_save_checkpoint(epoch, local_step)
             finally:
                 self.checkpointer.path = root
-            if (staged / "config.json").exists():
-                from . import faults
-                faults.kill_point("save")  # a reliability test: die with the save on disk but not in place
-            if self.rank == 0 and not (staged / "config.json").exists():
-                discard_staged(str(staged))  # speculators chose not to save here: the empty folder goes
-            elif self.rank == 0:
+            saved = (staged / "config.json").exists()
+            if self.rank == 0 and saved:
                 if epoch == "interrupted":  # speculators records no step for it: ours, so a rerun resumes from it
                     per_epoch = max(1, len(self.train_loader))
                     e, k = divmod(self.global_step, per_epoch)
                     e, k = (e - 1, 0) if k == 0 else (e, k)
-                    with open(staged / "training_state.json", "w") as f:
-                        json.dump({"epoch": e, "local_step": k, "global_step": self.global_step}, f)
+                    files.write_json(str(staged / "training_state.json"),
+                                     {"epoch": e, "local_step": k, "global_step": self.global_step})
+                outdir.record_tree(str(staged))  # complete: a kill from here on leaves a save the rerun publishes
+            if saved:
+                from . import faults
+                faults.kill_point("save")  # a reliability test: die with the save on disk but not in place
+            if self.rank == 0 and not saved:
+                discard_staged(str(staged))  # speculators chose not to save here: the empty folder goes
+            elif self.rank == 0:
                 publish(str(root), str(epoch), local_step)
 
         def maybe_update_best(self, epoch, val_metrics):
@@ -426,13 +449,21 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
 
 
 def discard_staged(staged):
-    """A save that never completed (killed mid-way): speculators' files in it, by name, in a folder stage 04 made."""
-    if outdir.owned(staged):
-        outdir.clear_scratch(staged, CHECKPOINT_FILES)
-        left = outdir.remove(staged)
-        if left:
-            raise outdir.RunError(f"{outdir.quote(staged)}: holds {outdir.quote(os.path.basename(left[0]))}, which "
-                                  f"this stage did not make; move it away and rerun")
+    """Free STAGING/<epoch> for a new save. What the record proves ours goes. A save a kill cut short holds files
+    speculators wrote that no record lists, which cannot be told from a person's: nothing of it is deleted; the
+    folder (made by this stage) is moved aside to STAGING/.cut-short-<epoch>-<time> and the log says so."""
+    if not os.path.lexists(staged):
+        return
+    if not outdir.owned(staged):
+        raise RunError(f"{outdir.quote(staged)}: not this stage's folder; move it away and rerun")
+    if not outdir.remove(staged):
+        return
+    aside = os.path.join(os.path.dirname(staged), f".cut-short-{os.path.basename(staged)}-{time.strftime('%Y%m%d-%H%M%S')}")
+    outdir.move_aside(staged, aside)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(aside) for f in fs
+               if not os.path.islink(os.path.join(d, f)))
+    log.warning(f"a save cut short (a kill mid-save) left {len(os.listdir(aside))} entries, {size / 1e6:.0f} MB, that "
+                f"no record proves this stage's: kept, moved to {outdir.quote(aside)}; delete it once checked")
 
 
 def publish(root, epoch, local_step=0):

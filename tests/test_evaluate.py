@@ -27,10 +27,16 @@ def test_refusals(model_path, stages, trained, tmp_path):
         (["--batch-sizes", "x"], ["--batch-sizes", "integers"]),
         (["--prompts", str(tmp_path / "none.jsonl")], ["--prompts", "no such file"]),
         (["--num-prompt", "3"], ["did you mean --num-prompts"]),
+        # nothing goes inside an input: the stage 04 folder holding the draft, or stage 01's
+        (["--output-dir", str(out / "ev")], ["--output-dir", "is inside the input --draft"]),
+        (["--prepared-data", str(stages["prepared"]), "--output-dir", str(stages["prepared"] / "ev")],
+         ["is inside the input --prepared-data"]),
+        # a --prepared-data that is not stage 01's cannot say which prompts were trained on: refused, not guessed
+        (["--prepared-data", str(stages["hs"])], ["--prepared-data", "is the output of stage 'extract'"]),
     ]
     for extra, needles in cases:
         p, secs = run_script("05_evaluate.py", "--model-path", model_path, "--draft", str(out / "last"),
-                             "--output-dir", str(tmp_path / "ev"), *extra)
+                             *(["--output-dir", str(tmp_path / "ev")] if "--output-dir" not in extra else []), *extra)
         assert_refused(p, secs, *needles)
 
 
@@ -50,6 +56,43 @@ def test_prompts_are_held_out(stages):
     assert len(prompts) == 5
     for p in prompts:
         assert p[-1]["role"] == "user" and p[-1]["content"] not in trained_firsts
+
+
+def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, tmp_path, monkeypatch):
+    """Stage 01's records are skipped when --prompts names the same source, relative or absolute, from wherever each
+    stage ran; a missing stage 01 folder is a warning that says evaluation starts at the first record."""
+    from eagle3pipe import evaluation
+    man = json.load(open(stages["prepared"] / "manifest.json"))
+    assert evaluation.held_out_skip("sharegpt", str(stages["prepared"])) == (man["counts"]["records_read"], None)
+    skip, warning = evaluation.held_out_skip("sharegpt", str(tmp_path / "missing"))
+    assert skip == 0 and "evaluating from the first record" in warning
+    data = tmp_path / "ds" / "chats.jsonl"
+    data.parent.mkdir()
+    data.write_text("")
+    prep = tmp_path / "prep"
+    import shutil
+    shutil.copytree(stages["prepared"], prep)
+    m = json.load(open(prep / "manifest.json"))
+    m["args"]["dataset"], m["cwd"] = "ds/chats.jsonl", str(tmp_path)  # stage 01 ran in tmp_path with a relative path
+    json.dump(m, open(prep / "manifest.json", "w"))
+    monkeypatch.chdir(data.parent)
+    assert evaluation.held_out_skip("chats.jsonl", str(prep))[0] == m["counts"]["records_read"]
+    assert evaluation.held_out_skip(str(data), str(prep))[0] == m["counts"]["records_read"]
+    assert evaluation.held_out_skip("sharegpt", str(prep))[0] == 0  # another source: nothing of it was trained on
+
+
+def test_a_training_log_cut_short_is_named_not_fatal(trained, tmp_path):
+    import shutil
+    from eagle3pipe import evaluation
+    out, _ = trained
+    copy = tmp_path / "ck"
+    shutil.copytree(out, copy, symlinks=True)
+    whole, warning = evaluation.read_train_metrics(str(copy / "last"))
+    assert whole and warning is None
+    with open(copy / "logs" / "metrics.jsonl", "a") as f:
+        f.write('{"train": {"loss": ')
+    records, warning = evaluation.read_train_metrics(str(copy / "last"))
+    assert records == whole and "metrics.jsonl: 1 lines are not JSON records" in warning
 
 
 @pytest.mark.e2e

@@ -193,6 +193,8 @@ def record(cls, **over):
     (settings.Train, {"lr": 1.5}, "--lr 1.5: must be less than 1"),
     (settings.Train, {"device": "tpu"}, "--device 'tpu': choose one of auto, cpu, cuda"),
     (settings.Train, {"epochs": True}, "--epochs True: expected an integer"),
+    (settings.Train, {"num_layers": 1000}, "--num-layers 1000: must be at most 32"),
+    (settings.Train, {"seed": -1}, "--seed -1: must be at least 0"),
     (settings.Extract, {"gpu_memory_utilization": 0.0}, "must be greater than 0"),
     (settings.Extract, {"writer_threads": 65}, "--writer-threads 65: must be at most 64"),
     (settings.Extract, {"layer_ids": [2, -1]}, "--layer-ids"),
@@ -430,3 +432,148 @@ def test_a_subfolder_swapped_for_a_link_after_its_check_is_never_written_through
     with pytest.raises(OSError):
         outdir.new_temp(os.path.join(logs, "m.json"))
     assert os.listdir(outside) == []
+
+
+def test_a_save_cut_short_is_moved_aside_never_deleted(tmp_path, caplog):
+    """speculators' files of a save a kill cut short are in no record: they cannot be told from a person's, so
+    nothing of them is deleted; what the record proves ours goes."""
+    from eagle3pipe import training
+    d = tmp_path / "ck"
+    _claim(d, "train")
+    staged = outdir.make_dir(str(d / ".saving"))
+    staged = outdir.make_dir(os.path.join(staged, "2"))
+    from eagle3pipe import files
+    files.write_json(os.path.join(staged, "training_state.json"), {"epoch": 2})  # recorded: ours
+    with open(os.path.join(staged, "model.safetensors"), "wb") as f:  # speculators' half-written file: in no record
+        f.write(b"\0" * 100)
+    with open(os.path.join(staged, "my_analysis.py"), "w") as f:  # a person's
+        f.write("print('mine')\n")
+    training.discard_staged(staged)
+    assert not os.path.exists(staged)
+    aside = [n for n in os.listdir(d / ".saving") if n.startswith(".cut-short-2-")]
+    assert len(aside) == 1 and "moved to" in caplog.text
+    assert sorted(os.listdir(d / ".saving" / aside[0])) == ["model.safetensors", "my_analysis.py"]
+    assert (d / ".saving" / aside[0] / "my_analysis.py").read_text() == "print('mine')\n"
+    outdir.make_dir(staged)  # the name is free for the next save
+    training.discard_staged(staged)  # an empty staged folder of ours simply goes
+    assert not os.path.exists(staged)
+
+
+def test_only_an_engine_s_finished_files_are_cleared_from_a_spool(tmp_path):
+    """A spool the stage made: the engine's files, told by their format, go; a person's file of the same suffix, a
+    half-written one and anything else stay. A folder the stage did not make is never cleared."""
+    import torch
+    from eagle3pipe import engine
+    from eagle3pipe.hidden_states import save
+    d = tmp_path / "out"
+    _claim(d, "train")
+    spool = outdir.make_dir(str(d / ".online"))
+    states = {"hidden_states": torch.zeros(3, 2, 4, dtype=torch.bfloat16), "token_ids": torch.tensor([1, 2, 3])}
+    save(os.path.join(spool, "req-1.safetensors"), states)
+    open(os.path.join(spool, "req-1.safetensors.lock"), "w").close()
+    save(os.path.join(spool, "my_backup.safetensors"), {"weights": torch.zeros(2)})
+    with open(os.path.join(spool, "req-2.safetensors"), "wb") as f:
+        f.write(b"\x10\0\0\0\0\0\0\0{")  # cut short mid-write
+    left = engine.clear_spool(spool)
+    assert left == ["my_backup.safetensors", "req-2.safetensors"] == sorted(os.listdir(spool))
+    foreign = tmp_path / "engine-spool"
+    foreign.mkdir()
+    save(str(foreign / "hs_0.safetensors"), states)  # a stage 02 file, in a folder this stage did not make
+    engine.clear_spool(str(foreign))
+    assert os.listdir(foreign) == ["hs_0.safetensors"]
+
+
+def test_a_copied_log_of_a_killed_run_is_still_the_stage_s(tmp_path):
+    """A log a killed run was appending to is recorded by its inode and its first bytes: a copy (cp -a) of the folder
+    keeps it the stage's; a different file in its place is not."""
+    import shutil
+    d = tmp_path / "out"
+    _claim(d)
+    log_path = str(d / "run.log")
+    fd = outdir.open_append(log_path)
+    os.write(fd, b"first lines\n")
+    os.close(fd)
+    outdir.finish()  # that run ended normally
+    fd = outdir.open_append(log_path)  # reopened by a later run, which is then killed: still recorded as growing
+    os.write(fd, b"more\n")
+    os.close(fd)
+    outdir._growing.clear()  # killed: finish() never ran
+    copy = tmp_path / "copy"
+    shutil.copytree(d, copy, symlinks=True)
+    led = outdir.Ledger.load(str(copy))
+    assert led.entries["run.log"][0] == "g" and led.owns("run.log")
+    (copy / "run.log").write_text("someone else's text\n")
+    assert not outdir.Ledger.load(str(copy)).owns("run.log")
+
+
+def test_weights_identify_a_verifier_beside_shapes_and_tokenizer(tmp_path, model_path):
+    import shutil
+    from eagle3pipe import verifier
+    a = tmp_path / "a"
+    shutil.copytree(model_path, a)
+    b = tmp_path / "b"
+    shutil.copytree(model_path, b)
+    w = b / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    for i in range(len(data) // 2, len(data), 4096):  # half the tensors changed: a fine-tune of the same shapes
+        data[i] ^= 0x40
+    w.write_bytes(bytes(data))
+    fa, fb, fm = verifier.fingerprint(str(a)), verifier.fingerprint(str(b)), verifier.fingerprint(model_path)
+    assert verifier.same_verifier(fa, fm) is None  # a copy is the same verifier
+    assert verifier.same_verifier(fa, fb) == "weights_sha256"
+    old = {k: v for k, v in fa.items() if k != "weights_sha256"}  # an output written before weights were recorded
+    assert verifier.same_verifier(old, fb) is None
+
+
+@pytest.mark.parametrize("ids", [[1, 2683.5], [1, True], [1, -1], [1, 49152], []])
+def test_stage01_rows_are_integers_inside_the_vocabulary(tmp_path, ids):
+    import json
+    from eagle3pipe import files
+    (tmp_path / "tokenized_data.jsonl").write_text(json.dumps({"input_ids": ids, "loss_mask": [0] * len(ids)}) + "\n")
+    with pytest.raises(UsageError, match="tokenized_data.jsonl:1: malformed row"):
+        files.read_rows(str(tmp_path), 1, vocab_size=49152)
+
+
+def test_the_validation_split_leaves_rows_on_both_sides():
+    from eagle3pipe import training
+    training.check_split(24, 0.05)
+    for rows, ratio in ((6, 0.99), (1, 0.5), (100, 1e-17)):
+        with pytest.raises(UsageError, match=f"--val-ratio {ratio}: of {rows} rows"):
+            training.check_split(rows, ratio)
+
+
+def test_an_engine_spool_is_never_a_stage_s_folder_or_inside_this_run_s(tmp_path, model_path):
+    """The files an engine at --engine-address hands back are deleted once read: its --engine-spool may not be a
+    stage's output folder, or hold or sit inside this run's folders; and it is never cleared wholesale."""
+    import http.server
+    import json
+    import threading
+    from eagle3pipe import online_plan, verifier
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": model_path}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    fp, tc = verifier.open_verifier(model_path, False)
+    out, stage02 = tmp_path / "ck", tmp_path / "hs"
+    _claim(stage02, "extract")
+    (tmp_path / "spool").mkdir()
+    try:
+        for spool, needle in ((stage02, "holds a pipeline stage's output"), (tmp_path, "holds or sits inside --output-dir")):
+            s = record(settings.Train, online=True, engine_address=f"127.0.0.1:{srv.server_port}", model_path=model_path,
+                       engine_spool=str(spool), output_dir=str(out))
+            with pytest.raises(UsageError, match=needle):
+                online_plan.plan(s, fp, tc, 100, [2, 15, 27, 30])
+        s = record(settings.Train, online=True, engine_address=f"127.0.0.1:{srv.server_port}", model_path=model_path,
+                   engine_spool=str(tmp_path / "spool"), output_dir=str(out))
+        assert online_plan.plan(s, fp, tc, 100, [2, 15, 27, 30]).spool == str(tmp_path / "spool")
+    finally:
+        srv.shutdown()
