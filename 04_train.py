@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="delete previous checkpoints in --output-dir first")
-    o = p.add_argument_group("online training (no stage 02 folder; see the README's 'Offline, online or cached')")
+    o = p.add_argument_group("online training (no stage 02 folder; see docs/ONLINE.md)")
     o.add_argument("--online", action="store_true", help="generate hidden states on demand with an extraction engine")
     o.add_argument("--backend", choices=["vllm", "hf"], default="vllm", help="the engine: vLLM's server or transformers")
     o.add_argument("--layer-ids", type=cli.int_list, default=None,

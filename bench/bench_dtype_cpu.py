@@ -1,7 +1,7 @@
 """Benchmark: every stage that runs a model, computing in bf16 and in float32, on this CPU, through the real stage
 commands (issue 22). Side by side in one script, so the ratio is what counts, not the absolute numbers.
 
-    python bench/bench_dtype_cpu.py --work /tmp/bd [--samples 40] [--avx2]
+    python -m bench.bench_dtype_cpu --work /tmp/bd [--samples 40] [--avx2]
 
 --avx2 holds torch to AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2),
 the closest this machine gets to a CPU without native bf16: it covers torch's own matmuls, attention and
@@ -22,8 +22,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench.common import REPO, result
 MODEL = os.path.join(REPO, "data", "models", "smollm2-135m-instruct")
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
@@ -93,7 +92,7 @@ def main():
     if len(tags) == 2:
         b, f = res[tags[0]], res[tags[1]]
         res["float32_over_bf16"] = {k: round(f[k] / b[k], 2) for k in b if k.endswith("tok_s") and b[k] and f[k]}
-    print("RESULT", json.dumps(res))
+    result(res)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Benchmark: stage 02 (vLLM backend, CPU) against the same vLLM engine's bare prefill on the same samples, and
 against speculators' `generate-offline-data` (through a vLLM server) on the same conversations.
 
-    .venv/bin/python bench/bench_extract_cpu.py --num-samples 300 [--batch-size 4] [--repeats 2] [--no-speculators]
+    .venv/bin/python -m bench.bench_extract_cpu --num-samples 300 [--batch-size 4] [--repeats 2] [--no-speculators]
 
 One script, one machine: stage 01 on the first N ShareGPT conversations; then, `--repeats` times, stage 02 end to end
 (its own process; its manifest's seconds run from the first batch to the last file written, load excluded) and a
@@ -20,13 +20,12 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import REPO, result
 MODEL = os.path.join(REPO, "data", "models", "smollm2-135m-instruct")
 
 
 def bare_prefill(prep, batch_size, max_seq_len):
     """In a fresh process (vLLM's engine does not shut down cleanly in-process): tokens/s of a bare prefill."""
-    sys.path.insert(0, REPO)
     from eagle3pipe.engine import cpu_vllm_env
     from eagle3pipe.extraction import make_batches
     cpu_vllm_env()
@@ -73,7 +72,6 @@ def main():
            "ratio_vs_bare": round(statistics.mean(ours) / statistics.mean(bare), 3),
            "stage02_gb": round(man["counts"]["bytes"] / 1e9, 2)}
     if not a.no_speculators:
-        sys.path.insert(0, REPO)
         from eagle3pipe.conversations import iter_records
         convs = [rec for (_, rec), _ in zip(iter_records("sharegpt"), range(a.num_samples))]
         data = os.path.join(work, "conversations.json")
@@ -89,7 +87,7 @@ def main():
         res["ratio_vs_speculators_tok_s"] = round(statistics.mean(ours) / res["speculators"]["tok_s"], 3)
         ours_secs = man["counts"]["tokens_extracted"] / statistics.mean(ours)
         res["ratio_vs_speculators_wall_same_conversations"] = round(secs / ours_secs, 3)
-    print("RESULT " + json.dumps(res), flush=True)
+    result(res)
 
 
 if __name__ == "__main__":

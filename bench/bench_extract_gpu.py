@@ -1,7 +1,7 @@
 """Benchmark: stage 02 (HF backend) on NVIDIA GPUs against a bare forward of the same batches, bf16 and fp8
 storage (bf16 with the default 4 writer threads and with 8), and (with 2+ GPUs) two `--shard` replicas against one.
 
-    python bench/bench_extract_gpu.py --assets .gpu --work /tmp/w [--num-samples 1000] [--batch-size 8]
+    python -m bench.bench_extract_gpu --assets .gpu --work /tmp/w [--num-samples 1000] [--batch-size 8]
 
 --assets holds the tokenizer files and config.json of a small Llama (SmolLM2 here) and train.json (ShareGPT).
 The verifier is that config reshaped to Llama-3.1-8B (32 layers, hidden 4096, 32/8 heads, MLP 14336) with random
@@ -18,92 +18,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False, "max_position_embeddings": 8192}
-
-
-def make_verifier(assets, dst):
-    from transformers import AutoConfig
-    if os.path.exists(os.path.join(dst, "config.json")):
-        return
-    cfg = AutoConfig.from_pretrained(assets)
-    for k, v in LLAMA_8B.items():
-        setattr(cfg, k, v)
-    save_random(cfg, assets, dst)
-
-
-def save_random(cfg, assets, dst, **config_extra):
-    """Random bf16 weights of `cfg`, drawn on the GPU, saved to `dst` with the tokenizer files of `assets`."""
-    import json
-    import torch
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(dst)
-    del model
-    torch.cuda.empty_cache()
-    if config_extra:  # fields vLLM reads that transformers' config class does not keep
-        c = json.load(open(os.path.join(dst, "config.json")))
-        json.dump({**c, **config_extra}, open(os.path.join(dst, "config.json"), "w"), indent=2)
-    for n in os.listdir(assets):
-        if n.startswith(("tokenizer", "chat_template", "special_tokens", "generation")):
-            shutil.copy(os.path.join(assets, n), dst)
-
-
-def stage02(model, prep, out, *extra, gpus="0"):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus)
-    cmd = [sys.executable, "02_extract_hidden_states.py", "--backend", "hf", "--model-path", model,
-           "--prepared-data", prep, "--output-dir", out, *extra]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def wait(p, name):
-    out = p.communicate()[0]
-    if p.returncode != 0:
-        print(out[-3000:])
-        raise SystemExit(f"{name} failed ({p.returncode})")
-    return out
-
-
-def batch_tensors(rows, b):
-    """The rows `b` as right-padded [B, T] input ids and attention mask (CPU)."""
-    import torch
-    t = max(len(rows[i]) for i in b)
-    ids = torch.zeros(len(b), t, dtype=torch.long)
-    mask = torch.zeros(len(b), t, dtype=torch.long)
-    for k, i in enumerate(b):
-        ids[k, : len(rows[i])] = torch.as_tensor(rows[i])
-        mask[k, : len(rows[i])] = 1
-    return ids, mask
-
-
-def bare_forward(model_path, rows, batches, per_batch=None):
-    """Seconds for all `batches` through the bare model, after one untimed warm-up batch (the first, longest one:
-    kernels compile and caches fill there, in this process as in stage 02's). `per_batch`, a list, receives each
-    batch's (seconds, tokens)."""
-    import torch
-    from transformers import AutoModel
-    model = AutoModel.from_pretrained(model_path, dtype=torch.bfloat16, device_map={"": "cuda"}).eval()
-    torch.cuda.synchronize()
-    t0 = time.time()
-    with torch.inference_mode():
-        for n, b in enumerate([batches[0]] + list(batches)):
-            if n == 1:
-                torch.cuda.synchronize()
-                t0 = t_prev = time.time()
-            ids, mask = batch_tensors(rows, b)
-            model(input_ids=ids.cuda(non_blocking=True), attention_mask=mask.cuda(non_blocking=True), use_cache=False)
-            if per_batch is not None and n >= 1:
-                torch.cuda.synchronize()
-                per_batch.append((time.time() - t_prev, sum(len(rows[i]) for i in b)))
-                t_prev = time.time()
-    torch.cuda.synchronize()
-    secs = time.time() - t0
-    del model
-    torch.cuda.empty_cache()
-    return secs
+from bench.common import REPO, bare_forward, llama_8b, result, stage02, wait
 
 
 def compare(a, b, rows, n=50):
@@ -128,13 +43,12 @@ def main():
     ap.add_argument("--batch-size", type=int, default=8)
     a = ap.parse_args()
     import torch
-    sys.path.insert(0, REPO)
     from eagle3pipe.extraction import make_batches
     ngpu = torch.cuda.device_count()
     w, py = a.work, sys.executable
     model, prep = f"{w}/verifier", f"{w}/prep"
     t0 = time.time()
-    make_verifier(a.assets, model)
+    llama_8b(a.assets, model)
     made = time.time() - t0
     # the verifier's 16 GB were just written: flush them now, or their writeback competes with the first run's
     # files (the first bf16 run measured 0.73-0.88x with this, 0.96-0.99x on a flushed disk)
@@ -182,7 +96,7 @@ def main():
         res["two_replicas_manifest_complete"] = json.load(open(f"{w}/hs_sh/manifest.json"))["complete"]
         res["two_vs_one_files"] = compare(f"{w}/hs_sh", f"{w}/hs_bf16", rows)
         print(logs[1][-600:])
-    print("RESULT " + json.dumps(res), flush=True)
+    result(res)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2; df -h "$W" | tail -1; nproc
 if [ "$WHAT" = extract ]; then
-  $PY bench/bench_extract_gpu.py --assets "$A" --work "$W" --num-samples "${SAMPLES:-1000}" | tee "$OUT/extract.txt"
+  $PY -m bench.bench_extract_gpu --assets "$A" --work "$W" --num-samples "${SAMPLES:-1000}" | tee "$OUT/extract.txt"
   exit 0
 fi
 M=$W/verifier
@@ -30,7 +30,7 @@ fi
 $PY 03_build_vocab_mapping.py --prepared-data $W/tprep --draft-vocab-size 32000 --output-dir $W/tvocab > "$OUT/t03.log" 2>&1
 DDP=0; [ "$NGPU" -ge 2 ] && DDP=$NGPU
 # plain `python 04_train.py` (and speculators' command) train on GPU 0; --ddp adds torchrun on all GPUs
-$PY bench/bench_train.py --model-path $M --prepared-data $W/tprep --hidden-states $W/ths --vocab-mapping $W/tvocab \
+$PY -m bench.bench_train --model-path $M --prepared-data $W/tprep --hidden-states $W/ths --vocab-mapping $W/tvocab \
     --work $W/bt --steps "${STEPS:-60}" --total-seq-len 8192 --ddp $DDP \
     -- ${TRAIN_FLAGS:---loss-implementation eager} | tee "$OUT/train.txt"
 cp $W/bt/*.log "$OUT/" 2>/dev/null || true

@@ -4,7 +4,7 @@ latent 512, 64 heads, routed experts of 2048 plus a shared one, `noaux_tc` routi
 stages 03 and 04 with default settings on the shallow one (stage 04's loss chosen by its probe), timing how long
 stage 04 takes to exit after its last line.
 
-    python bench/bench_kimi_gpu.py --assets .gpu --work /tmp/k [--num-samples 250] [--depths 4,12] [--hs-dir /dev/shm]
+    python -m bench.bench_kimi_gpu --assets .gpu --work /tmp/k [--num-samples 250] [--depths 4,12] [--hs-dir /dev/shm]
                                    [--variants bf16,bf16_4_writers,fp8] [--no-cold] [--train-steps 40]
 
 --assets: the tokenizer files and config.json of SmolLM2 (the vocabulary; the weights are random: this measures
@@ -18,24 +18,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_extract_gpu import REPO, bare_forward, save_random, stage02, wait  # noqa: E402
-
-KIMI = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=64,
-            num_key_value_heads=64, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
-            v_head_dim=128, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
-            max_position_embeddings=8192, tie_word_embeddings=False)
-
-
-def make_verifier(assets, dst, layers, experts, topk):
-    from transformers import DeepseekV3Config
-    if os.path.exists(os.path.join(dst, "config.json")):
-        return
-    vocab = json.load(open(os.path.join(assets, "config.json")))["vocab_size"]
-    cfg = DeepseekV3Config(vocab_size=vocab, num_hidden_layers=layers, n_routed_experts=experts,
-                           num_experts_per_tok=topk, **KIMI)
-    save_random(cfg, assets, dst, topk_method="noaux_tc", scoring_func="sigmoid")
-    os.sync()  # the weights' writeback must not compete with the first run's files
+from bench.common import REPO, bare_forward, deepseek_v3, result, run, stage02, wait
 
 
 def cold_bare(model, prep, batch_size):
@@ -43,16 +26,15 @@ def cold_bare(model, prep, batch_size):
     bare_forward), the way stage 02 meets its batches."""
     code = f"""
 import json, sys
-sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); sys.path.insert(0, {REPO!r})
-from bench_extract_gpu import bare_forward
-from bench_kimi_gpu import bare_steady
+from bench.common import bare_forward
+from bench.bench_kimi_gpu import bare_steady
 from eagle3pipe.extraction import make_batches
 rows = [json.loads(l)["input_ids"] for l in open({prep!r} + "/tokenized_data.jsonl")]
 per_batch = []
 secs = bare_forward({model!r}, rows, make_batches(range(len(rows)), [len(x) for x in rows], {batch_size}), per_batch)
 print("COLD", json.dumps([round(sum(map(len, rows)) / secs, 1), round(bare_steady(per_batch), 1)]))
 """
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     line = [x for x in p.stdout.splitlines() if x.startswith("COLD ")]
     if not line:
         raise SystemExit(f"cold bare pass failed: {(p.stdout + p.stderr)[-2000:]}")
@@ -74,16 +56,6 @@ def bare_steady(per_batch, lo=0.1, hi=0.9):
     return sum(n for _, n in mid) / sum(s for s, _ in mid)
 
 
-def run(cmd, log, env=None):
-    t0 = time.time()
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
-    open(log, "w").write(p.stdout + p.stderr)
-    if p.returncode:
-        print((p.stdout + p.stderr)[-4000:])
-        raise SystemExit(f"{cmd[1]} failed ({p.returncode})")
-    return p, time.time() - t0
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--assets", required=True)
@@ -102,7 +74,6 @@ def main():
     ap.add_argument("--no-cold", action="store_true", help="skip the cold bare pass in a fresh process")
     a = ap.parse_args()
     import torch
-    sys.path.insert(0, REPO)
     from eagle3pipe.extraction import make_batches
     py, w, res = sys.executable, a.work, {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     os.makedirs(w, exist_ok=True)
@@ -110,7 +81,7 @@ def main():
     for n in [int(x) for x in a.depths.split(",")]:
         model, prep, r = f"{w}/v{n}", f"{w}/prep{n}", {}
         t0 = time.time()
-        make_verifier(a.assets, model, n, a.experts, a.topk)
+        deepseek_v3(a.assets, model, n, a.experts, a.topk)
         r["verifier_create_s"] = round(time.time() - t0, 1)
         run([py, "01_prepare_dataset.py", "--model-path", model, "--dataset", f"{a.assets}/train.json", "--num-samples",
              str(a.num_samples), "--max-seq-len", "2048", "--output-dir", prep], f"{a.out}/k{n}_01.log")
@@ -146,7 +117,7 @@ def main():
             shutil.rmtree(f"{a.hs_dir or w}/hs{n}_bf16")
             shutil.rmtree(model)
             os.sync()
-    print("RESULT " + json.dumps(res), flush=True)
+    result(res)
 
 
 def train(a, py, w, model, prep, hs):

@@ -2,17 +2,15 @@
 Newton-Schulz iterations in bf16 (torch's hard-coded choice) and in float32 (what stage 04 uses when it computes in
 float32: eagle3pipe/adapters.py muon_in_float32), in one process.
 
-    python bench/bench_muon_cpu.py                 # this CPU's kernels
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/bench_muon_cpu.py
+    python -m bench.bench_muon_cpu                 # this CPU's kernels
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python -m bench.bench_muon_cpu
 
 Prints one RESULT line (JSON): seconds per optimizer step for each, and their ratio.
 """
-import json
-import os
-import sys
+
+from bench.common import result
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # the draft's 2-D matrices for SmolLM2 (hidden 576, 9/3 heads, MLP 1536, draft vocab 8192): lm_head, fc, q/k/v/o,
 # gate/up/down
@@ -41,7 +39,7 @@ def main():
     with muon_in_float32("float32"):
         res["float32_s"] = round(step_seconds(), 3)
     res["bf16_over_float32"] = round(res["bf16_s"] / res["float32_s"], 2)
-    print("RESULT", json.dumps(res))
+    result(res)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark: offline, online and cached training side by side on the embedded default (CPU), equal steps.
 
-    python bench/bench_online_cpu.py --work /tmp/bo [--num-samples 60] [--epochs 2]
+    python -m bench.bench_online_cpu --work /tmp/bo [--num-samples 60] [--epochs 2]
 
 One stage 01 and one stage 03 run feed three stage 04 runs with the same seed and steps:
   offline  stage 02 (vLLM engine) writes every hidden state, then stage 04 reads them
@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import REPO, result
 MODEL = os.path.join(REPO, "data", "models", "smollm2-135m-instruct")
 
 
@@ -110,7 +110,7 @@ def main():
                      "data_wait_fraction": m.get("data_wait_fraction"), "epoch_lines": epochs,
                      **val_metrics(out)}
         print(f"{name}: {json.dumps(res[name])}", flush=True)
-    print("RESULT " + json.dumps(res), flush=True)
+    result(res)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Benchmark: online against offline training on two NVIDIA GPUs, an 8B-shaped verifier (Llama-3-8B's widths:
 hidden 4096, 32 layers, 32 heads / 8 KV heads, MLP 14336; random weights, SmolLM2's vocabulary).
 
-    python bench/bench_online_gpu.py --assets .gpu --work /tmp/o [--num-samples 500] [--max-steps 60]
+    python -m bench.bench_online_gpu --assets .gpu --work /tmp/o [--num-samples 500] [--max-steps 60]
 
 offline  stage 02 (HF backend, GPU 0) writes every state; stage 04 trains on GPU 1
 online   stage 04 --online --backend hf --engine-gpus 0: the engine on GPU 0 generates each batch's states while
@@ -19,8 +19,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_extract_gpu import REPO, save_random  # noqa: E402
+from bench.common import REPO, result, save_random
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
@@ -105,7 +104,7 @@ def main():
                          "online": json.load(open(f"{w}/ck_cached/manifest.json"))["online"]}
         res["cached_later_epochs_vs_offline_tok_s"] = round(res["cached"]["later_epochs"]["tok_s"] /
                                                             res["offline"]["tok_s"], 3)
-    print("RESULT " + json.dumps(res), flush=True)
+    result(res)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Benchmark: how stage 02's time, memory and disk grow with the number of samples and the sequence length (CPU,
 vLLM backend, the embedded SmolLM2 and ShareGPT).
 
-    .venv/bin/python bench/bench_scaling.py [--points 100x2048,300x2048,1000x2048,300x512,300x1024] [--plot docs/scaling.png]
-    .venv/bin/python bench/bench_scaling.py --replot LOG     # redraw the plot from a run's printed output
+    .venv/bin/python -m bench.bench_scaling [--points 100x2048,300x2048,1000x2048,300x512,300x1024] [--plot docs/scaling.png]
+    .venv/bin/python -m bench.bench_scaling --replot LOG     # redraw the plot from a run's printed output
 
 For each point NxL: stage 01 on the first N conversations truncated to L tokens, then stage 02 in its own process,
 while this script samples the resident memory of stage 02's whole process tree (the engine runs in child processes)
@@ -20,7 +20,7 @@ import time
 
 import psutil
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import REPO, result
 MODEL = os.path.join(REPO, "data", "models", "smollm2-135m-instruct")
 
 
@@ -104,7 +104,7 @@ def main():
         print(f"| {r['samples']} | {r['max_seq_len']} | {r['tokens']:,} | {r['extract_s']:.0f} | {r['tok_s']:,.0f} | "
               f"{r['wall_s']:.0f} | {r['peak_rss_gib']} | {r['disk_gb']} |")
     plot(rows, a.plot)
-    print("RESULT " + json.dumps(rows))
+    result(rows)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Benchmark: stage 04 against speculators' own `train` command on the same data, flags and hardware (CPU or GPU),
 and optionally stage 04 under torchrun on N GPUs.
 
-    python bench/bench_train.py --model-path M --prepared-data P --hidden-states H --vocab-mapping V \
+    python -m bench.bench_train --model-path M --prepared-data P --hidden-states H --vocab-mapping V \
         --work /tmp/bt [--steps 40] [--total-seq-len 8192] [--ddp 2] [-- more flags for both]
 
 Stage 04 runs first (it builds the Arrow bridge of ids and masks in <work>/ours/.bridge); speculators' command then
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import REPO, result
 
 
 def timed(cmd, log, env=None):
@@ -75,7 +75,7 @@ def main():
     run_cfg = json.load(open(f"{w}/ours/manifest.json"))["speculators_config"]
     workers = a.their_workers if a.their_workers is not None else run_cfg["num_workers"]
     ext = json.load(open(os.path.join(a.hidden_states, "manifest.json")))
-    theirs = [py, "bench/speculators_train.py", "--speculator-type", "eagle3", "--verifier-name-or-path", a.model_path,
+    theirs = [py, "-m", "bench.speculators_train", "--speculator-type", "eagle3", "--verifier-name-or-path", a.model_path,
               "--target-layer-ids", *map(str, ext["layer_ids"][:-1]), "--num-layers", "1",
               "--data-path", f"{w}/ours/.bridge", "--hidden-states-path", os.path.abspath(a.hidden_states),
               "--hidden-states-backend", "fp8" if ext.get("storage_dtype") == "fp8" else "file",
@@ -96,7 +96,7 @@ def main():
         res["ddp_wall_s"] = round(timed(cmd + ["--output-dir", f"{w}/ddp"], f"{w}/ddp.log"), 1)
         res["ddp"] = rates(f"{w}/ddp")  # per rank; each global step moves ddp x the tokens
         res["ddp_speedup_tok_s"] = round(a.ddp * res["ddp"]["median_tok_s"] / res["ours"]["median_tok_s"], 2)
-    print("RESULT " + json.dumps(res), flush=True)
+    result(res)
 
 
 if __name__ == "__main__":

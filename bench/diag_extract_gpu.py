@@ -19,7 +19,7 @@ kernel time against the wall time (idle GPU = the host is the limit), device-to-
 the attention kernel, and each idle gap over 0.1 ms charged to the host call running at its middle. --check first
 compares 6 batches' host tensors, copies queued late (the default) against at once: they must be identical.
 
-    python bench/diag_extract_gpu.py --assets .gpu --work /tmp/d [--layers 4] [--modes bare,forward,...] [--sdpa nocudnn] [--check]
+    python -m bench.diag_extract_gpu --assets .gpu --work /tmp/d [--layers 4] [--modes bare,forward,...] [--sdpa nocudnn] [--check]
 """
 import argparse
 import json
@@ -28,11 +28,7 @@ import shutil
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_extract_gpu import batch_tensors  # noqa: E402
-from bench_kimi_gpu import REPO, make_verifier, run  # noqa: E402
-
-sys.path.insert(0, REPO)
+from bench.common import batch_tensors, deepseek_v3, result, run
 
 
 def make_step(mode, model_path, rows, layer_ids, work, hidden, n_states):
@@ -214,7 +210,6 @@ def idle_gaps(p, min_us=100):
 
 
 def profile(step, finish, batches, model=None):
-    import torch
     from torch.profiler import ProfilerActivity, profile as prof, record_function
     finish()
     hook = None
@@ -285,7 +280,7 @@ def main():
     from eagle3pipe.extraction import make_batches
     os.makedirs(a.work, exist_ok=True)
     model, prep = f"{a.work}/v{a.layers}", f"{a.work}/prep"
-    make_verifier(a.assets, model, a.layers, 16, 8)
+    deepseek_v3(a.assets, model, a.layers, 16, 8)
     run([sys.executable, "01_prepare_dataset.py", "--model-path", model, "--dataset", f"{a.assets}/train.json",
          "--num-samples", str(a.num_samples), "--max-seq-len", "2048", "--output-dir", prep], f"{a.work}/01.log")
     rows = [json.loads(line)["input_ids"] for line in open(f"{prep}/tokenized_data.jsonl")]
@@ -323,7 +318,7 @@ def main():
     for mode in a.modes.split(","):
         if mode != "bare" and "bare" in res:
             res[mode]["ratio"] = round(res[mode]["tok_s"] / res["bare"]["tok_s"], 3)
-    print("RESULT " + json.dumps(res), flush=True)
+    result(res)
 
 
 if __name__ == "__main__":

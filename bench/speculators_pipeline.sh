@@ -111,7 +111,7 @@ EOF
 
 # 4. speculators' own train (TrainConfig.resolve + speculators.train.cli.main) with only our CPU patches. Vocab:
 # no d2t/t2d given, so it builds them from <PREP>/token_freq.pt and caches <PREP>/{d2t,t2d}-<K>.npy.
-timed train "$PY" "$REPO/bench/speculators_train.py" \
+timed train "$PY" -m bench.speculators_train \
     --speculator-type eagle3 --verifier-name-or-path "$MODEL" --target-layer-ids $AUX --num-layers 1 \
     --data-path "$PREP" --hidden-states-path "$PREP/hidden_states" --draft-vocab-size "$VOCAB" \
     --total-seq-len "$TOTAL" --epochs "$EPOCHS" --lr "$LR" --num-workers 0 --on-missing skip \

@@ -1,6 +1,6 @@
 """speculators' own `train` command, on GPU or on a CPU-only machine (used by bench/speculators_pipeline.sh, bench_train.py).
 
-    PYTHONPATH=<repo root> .venv/bin/python bench/speculators_train.py <speculators train flags ...>
+    .venv/bin/python -m bench.speculators_train <speculators train flags ...>      # from the repository root
 
 Takes exactly the flags of `speculators train` and runs the same code: speculators' TrainConfig.resolve(argv) and
 speculators.train.cli.main(cfg) (its draft construction, d2t/t2d from <data-path>/token_freq.pt, its Arrow +

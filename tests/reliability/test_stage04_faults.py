@@ -9,38 +9,9 @@ import subprocess
 import sys
 import time
 
-import pytest
 
-from conftest import REPO, run_script, train_args
-from test_cli_prepare_vocab import assert_refused
-
-
-@pytest.mark.parametrize("sig", [pytest.param(signal.SIGKILL, marks=pytest.mark.slow),
-                                 pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
-def test_signal_during_training_then_resume(stages, model_path, tmp_path, sig):
-    """SIGKILL loses the steps since the last checkpoint; SIGTERM lets speculators save an `interrupted` one. Either
-    way the same command resumes with the step count continuing, never from step 1."""
-    out = tmp_path / "draft"
-    argv = train_args(model_path, stages, out, "--epochs", "3", "--checkpoint-freq", "0.5")
-    err = open(tmp_path / "first.err", "w")  # a file, not a pipe: a full pipe would stall the child
-    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
-    deadline = time.time() + 300
-    while time.time() < deadline and not (out / "last").exists():
-        time.sleep(0.2)
-    assert (out / "last").exists(), "no checkpoint appeared"
-    proc.send_signal(sig)
-    rc = proc.wait(timeout=300)
-    err.close()
-    first = (tmp_path / "first.err").read_text()
-    assert rc != 0 and not (out / "manifest.json").exists(), first[-2000:]
-    stopped_at = max(int(s) for s in re.findall(r"step (\d+)/", first))
-    p, _ = run_script(*argv)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "Resuming" in p.stderr
-    steps = [int(s) for s in re.findall(r"step (\d+)/", p.stderr)]
-    assert steps and 1 < steps[0] <= stopped_at + 1
-    man = json.load(open(out / "manifest.json"))
-    assert man["steps"] == int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
+from conftest import REPO, assert_refused, run_script, train_args
+from faults import stage04_killed_in_save
 
 
 def test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached(stages, model_path, tmp_path):
@@ -75,22 +46,6 @@ def test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached(stages, model_path, t
     steps = [int(s) for s in re.findall(r"step (\d+)/", p.stderr)]
     assert steps[0] == stopped_at + 1, (stopped_at, steps)
     assert json.load(open(out / "manifest.json"))["steps"] == int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
-
-
-@pytest.mark.parametrize("point", ["save:2", pytest.param("publish:1", marks=pytest.mark.slow)])
-def test_a_kill_inside_a_checkpoint_save_then_the_same_command_resumes(stages, model_path, tmp_path, point):
-    """SIGKILL with the second checkpoint half written (`save`), or with the previous copy deleted and the new one
-    not yet renamed into place (`publish`): the rerun finds the last whole checkpoint and goes on from it."""
-    out = tmp_path / "draft"
-    # mid-epoch checkpoints too: the end of an epoch then replaces its mid-epoch checkpoint (the `publish` window)
-    argv = train_args(model_path, stages, out, "--epochs", "3", "--checkpoint-freq", "0.5", "--total-seq-len", "512")
-    p, _ = run_script(*argv, env={"EAGLE3_INJECT_KILL": point})
-    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
-    p, _ = run_script(*argv)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "Resuming" in p.stderr and "Starting fresh" not in p.stderr, p.stderr[-3000:]
-    assert json.load(open(out / "manifest.json"))["steps"] == int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
-    assert os.listdir(out / ".saving") == [] and os.path.realpath(out / "last") == str(out / "2")
 
 
 def test_bad_hidden_states_are_named_where_read_and_stop_the_run_beyond_a_share(stages, model_path, tmp_path):
@@ -130,3 +85,7 @@ def test_bad_hidden_states_are_named_where_read_and_stop_the_run_beyond_a_share(
     save_file({"weight": torch.zeros(3)}, str(f))  # a valid safetensors file, but not ours
     assert_refused(*run_script(*train_args(model_path, d, tmp_path / "ck3")), "hs_5.safetensors", "missing tensors")
     assert not (tmp_path / "ck3").exists()
+
+
+def test_a_kill_inside_a_checkpoint_save_then_the_same_command_resumes(stages, model_path, tmp_path):
+    stage04_killed_in_save("save:2", stages, model_path, tmp_path)  # publish:1: slow/test_faults.py

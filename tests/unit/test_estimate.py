@@ -4,7 +4,6 @@ import pytest
 
 from eagle3pipe import estimate
 
-pytestmark = pytest.mark.unit
 KW = dict(epochs=1, prompts=8, new_tokens=64, batch_sizes=[1, 4])
 
 

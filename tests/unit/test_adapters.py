@@ -10,7 +10,6 @@ from conftest import REPO
 from eagle3pipe import adapters
 from eagle3pipe.errors import UsageError
 
-pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("library", ["speculators", "vllm"])

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 
 from eagle3pipe import hidden_states as hs
 
-pytestmark = pytest.mark.unit
 
 T, L, H = 37, 4, 64
 

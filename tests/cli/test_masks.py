@@ -8,7 +8,6 @@ import pytest
 from conftest import FIXTURES
 from eagle3pipe import masks
 
-pytestmark = pytest.mark.unit
 
 CONV = [
     {"role": "user", "content": "Hi there, who are you?"},

@@ -5,7 +5,6 @@ import pytest
 from eagle3pipe.cli import UsageError
 from eagle3pipe.vocab import build_mapping
 
-pytestmark = pytest.mark.unit
 
 
 def test_topk_ties_and_offsets():

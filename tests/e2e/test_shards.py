@@ -6,12 +6,10 @@ import os
 import subprocess
 import time
 
-import torch
 from safetensors.torch import load_file
+import torch
 
-from conftest import REPO, run_script
-from test_cli_prepare_vocab import assert_refused
-from test_extract import extract, hf_out, prep, rows_of  # noqa: F401 (module fixtures)
+from conftest import REPO, extract, rows_of, run_script
 
 
 def test_two_shards_as_two_processes_equal_one_run(prep, hf_out, model_path, tmp_path):
@@ -52,19 +50,6 @@ def test_two_shards_as_two_processes_equal_one_run(prep, hf_out, model_path, tmp
     p, _ = extract(model_path, prep, out, "--backend", "hf", "--shard", "1/2")  # redoes exactly those two
     assert p.returncode == 0 and "2 to go" in p.stderr, p.stderr
     assert json.load(open(out / "manifest.json"))["complete"]
-
-
-def test_shard_flag_refusals(prep, model_path, tmp_path):
-    base = ["02_extract_hidden_states.py", "--model-path", model_path, "--prepared-data", str(prep),
-            "--output-dir", str(tmp_path / "hs")]
-    for extra, words in (
-            (["--shard", "2/2"], ["--shard", "0 <= I < N"]),
-            (["--shard", "one"], ["--shard", "I/N"]),
-            (["--shard", "0/2", "--overwrite"], ["--overwrite with --shard"]),
-            (["--shard", "0/2", "--verify"], ["--verify", "drop --shard"]),
-            (["--writer-threads", "0"], ["--writer-threads 0", "at least 1"])):
-        assert_refused(*run_script(*base, *extra), *words)
-    assert not (tmp_path / "hs").exists()
 
 
 def test_fp8_storage_halves_the_disk_and_trains(prep, hf_out, model_path, tmp_path):

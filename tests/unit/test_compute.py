@@ -4,7 +4,6 @@ import pytest
 
 from eagle3pipe import compute
 
-pytestmark = pytest.mark.unit
 
 # /proc/cpuinfo lines as real machines print them (trimmed to the flags that matter and a few around them)
 EPYC_AVX2 = "flags\t\t: fpu vme sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2 sha_ni clzero\n"

@@ -5,12 +5,8 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from eagle3pipe import engine
-from eagle3pipe.cli import RunError
-
-pytestmark = pytest.mark.unit
 
 
 def test_output_of_processes_started_inside_goes_to_the_log(tmp_path, capfd):
@@ -27,15 +23,3 @@ def test_output_of_processes_started_inside_goes_to_the_log(tmp_path, capfd):
     assert text.startswith("==== ") and "noise from the parent" in text and "worker started" in text
     assert "worker died" in text  # written after the block ended: the child kept the file
     assert engine.last_error(str(log)) == "ERROR 12-01 worker died: boom"
-
-
-def test_a_link_at_the_logs_name_is_refused_not_followed(tmp_path):
-    victim = tmp_path / "notes.txt"
-    victim.write_text("a person's notes\n")
-    link = tmp_path / "engine.log"
-    link.symlink_to(victim)
-    with pytest.raises(RunError) as e:
-        with engine.engine_output(str(link)):
-            pass
-    assert "(a link)" in str(e.value) and "\n" not in str(e.value)
-    assert victim.read_text() == "a person's notes\n" and os.path.islink(link)

@@ -6,7 +6,6 @@ import pytest
 from eagle3pipe import conversations as conv
 from eagle3pipe.cli import UsageError
 
-pytestmark = pytest.mark.unit
 
 
 def test_sharegpt_and_openai_formats():

@@ -2,15 +2,12 @@
 mixture of experts with `noaux_tc` routing) through stages 01-05, and the multimodal wrapper shape whose language
 model sits under `text_config`. Built inside the test from transformers' own config; the tokenizer is SmolLM2's."""
 import json
-import os
 
 import pytest
 
-from conftest import loaded_nothing, run_script
-from test_cli_prepare_vocab import assert_refused
+from conftest import assert_refused, loaded_nothing, run_script
 from verifiers import deepseek_v3, wrapped_text_config
 
-pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import pytest
 from conftest import REPO, load_script
 from eagle3pipe import cli
 
-pytestmark = pytest.mark.unit
 
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
 SCRIPTS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "0*_*.py")))

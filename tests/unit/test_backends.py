@@ -3,11 +3,9 @@ queued, and gets an error (not a hang) when queuing it failed. The copy itself n
 `bench/diag_extract_gpu.py --check` compares deferred against immediate copies byte for byte."""
 import threading
 
-import pytest
 
 from eagle3pipe.backends import DeferredCopy
 
-pytestmark = pytest.mark.unit
 
 
 def test_a_waiting_writer_is_held_until_the_copy_is_queued_then_fails_if_it_never_was():

@@ -1,0 +1,74 @@
+"""Stage 02 through its command line, before any model loads: preflight refusals (exit 2, one line, nothing heavy
+imported), a batch too large for the memory, and the dry run's plan."""
+import json
+import os
+
+
+from conftest import assert_refused, extract, loaded_nothing, run_script
+
+
+def test_preflight_refusals(prep, model_path, tmp_path):
+    other = tmp_path / "other-model"  # the same files but another hidden size: another verifier
+    other.mkdir()
+    for name in os.listdir(model_path):
+        if name != "config.json":
+            os.symlink(os.path.join(model_path, name), other / name)
+    cfg = json.load(open(os.path.join(model_path, "config.json")))
+    cfg["hidden_size"] = 640
+    json.dump(cfg, open(other / "config.json", "w"))
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / ".eagle3-owner.jsonl").write_text('{"stage": "vocab", "version": 2}\n')
+    out = str(tmp_path / "hs")
+    cases = [
+        (["--data-path", str(prep)], ["unknown flag --data-path", "did you mean --prepared-data"]),
+        (["--layer-ids", "2,15,40"], ["--layer-ids [40]", "[0, 29]"]),
+        (["--layer-ids", "2,2,27"], ["distinct"]),
+        (["--tp-size", "3"], ["--tp-size 3", "no GPU visible"]),
+        (["--tp-size", "4"], ["--tp-size 4", "must divide", "num_attention_heads (9)"]),
+        (["--batch-size", "0"], ["--batch-size 0"]),
+        (["--max-seq-len", "100"], ["--max-seq-len 100", "rerun 01_prepare_dataset.py"]),
+        (["--max-seq-len", "9000"], ["--max-seq-len 9000", "8192 positions"]),
+        (["--gpu-memory-utilization", "1.5"], ["--gpu-memory-utilization 1.5"]),
+        (["--prepared-data", str(tmp_path / "nope")], ["run 01_prepare_dataset.py first"]),
+        (["--model-path", str(other)], ["another verifier", "hidden_size", "rerun 01_prepare_dataset.py"]),
+        (["--output-dir", str(tmp_path / "v")], ["holds the output of stage 'vocab'"]),
+        (["--backend", "tgi"], ["--backend", "invalid choice"]),
+        (["--backend", "hf", "--tp-size", "8"], ["--tp-size 8", "hf backend has no tensor parallelism"]),
+    ]
+    for argv, needles in cases:
+        base = ["--model-path", model_path, "--prepared-data", str(prep), "--output-dir", out, "--max-seq-len", "256"]
+        p, secs = run_script("02_extract_hidden_states.py", *base, *argv)
+        assert_refused(p, secs, *needles)
+    assert not os.path.exists(out)
+
+
+def test_huge_batch_is_refused_or_explained(model_path, tmp_path):
+    """The original incident: --batch-size 2000 taken as 'all samples' on 300 ShareGPT conversations at 2,048
+    tokens. Refused before the model loads, with the largest batch size that fits and the misunderstanding."""
+    prep = tmp_path / "p300"
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "300",
+                      "--output-dir", str(prep))
+    assert p.returncode == 0, p.stderr
+    p, secs = run_script("02_extract_hidden_states.py", "--model-path", model_path, "--prepared-data", str(prep),
+                         "--output-dir", str(tmp_path / "hs"), "--batch-size", "2000", "--max-seq-len", "2048",
+                         "--dry-run")
+    if p.returncode == 2:
+        assert_refused(p, secs, "--batch-size 2000", "the largest --batch-size that fits is",
+                       "not the number of samples to extract")
+    else:  # a machine with enough memory: the dry run passes and explains the flag
+        assert p.returncode == 0 and "not the number of samples to extract" in p.stderr
+    assert not (tmp_path / "hs").exists()
+
+
+def test_dry_run_prints_the_plan_and_loads_nothing(prep, model_path, tmp_path):
+    from eagle3pipe import compute
+    p, secs = extract(model_path, prep, tmp_path / "hs", "--dry-run")
+    assert p.returncode == 0, p.stderr
+    assert "layer ids: [2, 15, 27, 30]" in p.stdout and "disk:" in p.stdout and "memory:" in p.stdout
+    assert loaded_nothing(p) and not (tmp_path / "hs").exists(), p.heavy
+    # the compute dtype and its reason, before anything loads: what auto picks on this machine, or what was asked
+    assert f"  {compute.resolve('auto', on_gpu=False).describe()}\n" in p.stdout
+    p, _ = extract(model_path, prep, tmp_path / "hs", "--dry-run", "--dtype", "float32")
+    assert p.returncode == 0 and "compute dtype: float32 (--dtype float32" in p.stdout
+    weights = [l for l in p.stdout.splitlines() if "memory: weights" in l][0]
+    assert "weights 0.50 GiB" in weights  # the bf16 checkpoint (0.25 GiB) counts twice in float32

@@ -1,0 +1,60 @@
+"""Ownership across processes: a dead writer's recorded temporary files go when the folder is next claimed (a live
+writer's never), and a second writer is refused naming the holder."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from eagle3pipe import outdir
+from eagle3pipe.cli import UsageError
+
+
+def _claim(d, stage="vocab", **kw):
+    return outdir.claim("--output-dir", str(d), stage, **kw)
+
+
+def test_claim_removes_only_dead_writers_recorded_temps_and_overwrite_only_ours(tmp_path):
+    d = tmp_path / "out"
+    code = (f"import os, sys; sys.path.insert(0, {REPO!r}); from eagle3pipe import outdir; "
+            f"outdir.claim('--output-dir', {str(d)!r}, 'vocab'); t = outdir.new_temp({str(d / 'a.npy')!r}); "
+            f"os.mkdir({str(d / 'sub')!r}); outdir.record({str(d / 'sub')!r}); "
+            f"open({str(d / 'sub' / 'x.npy')!r}, 'w').write('ours'); outdir.record({str(d / 'sub' / 'x.npy')!r}); "
+            f"print(t)")
+    tmp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert os.path.exists(tmp)
+    (d / "sub" / "notes.txt").write_text("a person's notes inside our folder\n")
+    # the stage must remake sub/ and could not: refused before anything of ours is deleted
+    with pytest.raises(UsageError, match="sub/notes.txt.*inside a folder this stage made.*nothing was deleted"):
+        _claim(d, overwrite=True)
+    assert sorted(os.listdir(d / "sub")) == ["notes.txt", "x.npy"]
+    os.rename(d / "sub" / "notes.txt", tmp_path / "notes.txt")
+    _claim(d, overwrite=True)
+    assert not os.path.exists(tmp)  # a dead writer's recorded temporary file
+    assert [n for n in os.listdir(d) if not n.startswith(".")] == []  # all ours went
+    os.link(d / outdir.LEDGER, tmp_path / "record-copy")  # a record shared with another path is not trusted
+    with pytest.raises(UsageError, match="hard-linked .shared with another path. ownership record"):
+        _claim(d)
+
+
+def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
+    d = tmp_path / "out"
+    code = (f"import sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe import outdir; "
+            f"outdir.claim('--output-dir', {str(d)!r}, 'vocab'); print('held', flush=True); "
+            f"time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UsageError, match=f"in use by another run \\(PID {holder.pid} "):
+            outdir.check("--output-dir", str(d), "vocab")
+        # declared shard replicas share the folder, but one shard is never run twice
+        with pytest.raises(UsageError, match="in use by another run"):
+            outdir.check("--output-dir", str(d), "vocab", shard=(0, 2))
+    finally:
+        holder.kill()
+        holder.wait()
+    _claim(d, shard=(0, 2))  # the holder is gone: the lock went with it
+    outdir.check("--output-dir", str(d), "vocab", shard=(1, 2))
+    with pytest.raises(UsageError, match="in use by another run"):
+        outdir.check("--output-dir", str(d), "vocab")

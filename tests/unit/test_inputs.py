@@ -1,0 +1,53 @@
+"""Input rules with no model: dataset folders' hidden entries and links, ids of any JSON type made strings, a
+verifier config nested too deep."""
+import json
+import os
+
+import pytest
+
+from eagle3pipe import conversations as conv
+from eagle3pipe import verifier
+from eagle3pipe.cli import UsageError
+
+CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+
+
+def _folder(tmp_path):
+    d = tmp_path / "data"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.jsonl").write_text(json.dumps(CHAT) + "\n")
+    (d / "sub" / "b.json").write_text(json.dumps([CHAT]))
+    return d
+
+
+
+def test_folder_hidden_entries_skipped_links_to_files_followed(tmp_path):
+    d = _folder(tmp_path)
+    (d / ".git" / "objects").mkdir(parents=True)
+    (d / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (d / ".DS_Store").write_bytes(b"\0\1")
+    (tmp_path / "elsewhere.jsonl").write_text(json.dumps(CHAT) + "\n" + json.dumps(CHAT) + "\n")
+    os.symlink(tmp_path / "elsewhere.jsonl", d / "sub" / "c.jsonl")
+    conv.check_dataset(str(d))
+    assert conv.dataset_files(str(d)) == [f"{d}/a.jsonl", f"{d}/sub/b.json", f"{d}/sub/c.jsonl"]
+    assert len(list(conv.iter_records(str(d)))) == 4
+
+
+def test_ids_become_strings_safely():
+    nested = {"b": [1, {"c": None}], "a": "\ud800"}
+    assert conv.normalize("r", {**CHAT, "id": nested})[0] == '{"a":"\\ud800","b":[1,{"c":null}]}'
+    assert conv.normalize("r", {**CHAT, "id": 7})[0] == "7"
+    assert conv.normalize("r", {**CHAT, "conversation_id": [1, 2]})[0] == "[1,2]"
+    deep = json.loads("[" * 500 + "]" * 500)
+    assert json.loads(conv.normalize("r", {**CHAT, "id": deep})[0]) == deep
+    with pytest.raises(UsageError, match=r"^r: 'id' is not valid Unicode"):
+        conv.normalize("r", {**CHAT, "id": "x\udfff"})
+
+
+DEEP = 100_000
+
+
+def test_verifier_config_nested_too_deep(tmp_path):
+    (tmp_path / "config.json").write_text("[" * DEEP)
+    with pytest.raises(UsageError, match="config.json: not valid JSON \\(nested too deep\\)"):
+        verifier.fingerprint(str(tmp_path))
