@@ -18,11 +18,9 @@ The output folder must be new, empty or this stage's own; one run at a time hold
 share it).
 """
 import os
-import time
 
-from eagle3pipe import cli, faults, outdir, preflight
-from eagle3pipe.engine import clear_spool
-from eagle3pipe.extract_output import INCOMING, engine_log, finish, prepare_output
+from eagle3pipe import cli, faults, preflight
+from eagle3pipe.extract_output import finish, prepare_output
 from eagle3pipe.files import read_rows
 
 
@@ -83,23 +81,11 @@ def main():
     failed, tokens, secs = {}, 0, 0.0
     if todo:
         faults.kill_point("load")
-        t_load = time.time()
-        if args.backend == "vllm":
-            staging = outdir.make_dir(os.path.join(outdir.make_dir(os.path.join(out, INCOMING)), str(os.getpid())))
-            backend = backends.VLLMBackend(args, plan.layer_ids, staging, on_gpu=plan.on_gpu,
-                                           dtype=plan.compute.dtype, log_path=os.path.join(out, engine_log(args.shard)))
-        else:
-            backend = backends.HFBackend(args.model_path, plan.layer_ids, args.trust_remote_code,
-                                         storage=args.storage_dtype, dtype=plan.compute.dtype)
-        log.info(f"verifier loaded in {time.time() - t_load:.0f} s ({args.backend} backend, {plan.compute.dtype})")
-        bar = Progress(len(mine), "extract", "samples", initial=len(done),
-                       total_tokens=sum(len(rows[i]) for i in todo))
-        failed, tokens, secs, stopped = extraction.run(backend, rows, todo, out, args, plan, bar)
-        bar.close()
-        if args.backend == "vllm":
-            clear_spool(staging)
-            outdir.remove(staging)
-            outdir.remove(os.path.dirname(staging))  # .incoming, unless another replica's engine still uses it
+        with backends.opened(args, plan, out) as backend:
+            bar = Progress(len(mine), "extract", "samples", initial=len(done),
+                           total_tokens=sum(len(rows[i]) for i in todo))
+            failed, tokens, secs, stopped = extraction.run(backend, rows, todo, out, args, plan, bar)
+            bar.close()
         if stopped:  # no manifest: the folder is incomplete until a rerun finishes it
             return 128 + stopped
     return finish(args, plan, identity, rows, failed, {"tokens": tokens, "seconds": secs, "resumed": len(done)})

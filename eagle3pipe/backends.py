@@ -9,11 +9,37 @@
 Layer ids (see verifier.py): id k < n is the INPUT of decoder layer k, id n the OUTPUT of the last decoder
 layer before the final norm.
 """
+import contextlib
 import logging
 import os
 import threading
+import time
 
 log = logging.getLogger("eagle3")
+
+
+@contextlib.contextmanager
+def opened(args, plan, out):
+    """Stage 02's verifier, loaded as the backend `args.backend` chooses (`args`: settings.Extract; `plan`:
+    preflight.Plan), for the `with` block. vLLM writes through its connector into a spool this process makes,
+    `<out>/.incoming/<pid>`; once the block ends normally, what the engine left there goes, and the spool with it."""
+    from . import outdir
+    from .engine import clear_spool
+    from .extract_output import INCOMING, engine_log
+    t_load, staging = time.time(), None
+    if args.backend == "vllm":
+        staging = outdir.make_dir(os.path.join(outdir.make_dir(os.path.join(out, INCOMING)), str(os.getpid())))
+        backend = VLLMBackend(args, plan.layer_ids, staging, on_gpu=plan.on_gpu, dtype=plan.compute.dtype,
+                              log_path=os.path.join(out, engine_log(args.shard)))
+    else:
+        backend = HFBackend(args.model_path, plan.layer_ids, args.trust_remote_code, storage=args.storage_dtype,
+                            dtype=plan.compute.dtype)
+    log.info(f"verifier loaded in {time.time() - t_load:.0f} s ({args.backend} backend, {plan.compute.dtype})")
+    yield backend
+    if staging:
+        clear_spool(staging)
+        outdir.remove(staging)
+        outdir.remove(os.path.dirname(staging))  # .incoming, unless another replica's engine still uses it
 
 
 class HFBackend:
