@@ -154,6 +154,18 @@ def _state(p):
     return ("dir",) if stat.S_ISDIR(mode) else ("other", stat.S_IFMT(mode))
 
 
+CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+
+
+def chat_folder(tmp_path):
+    """A dataset folder of two files, one in a subfolder, each holding CHAT."""
+    d = tmp_path / "data"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.jsonl").write_text(json.dumps(CHAT) + "\n")
+    (d / "sub" / "b.json").write_text(json.dumps([CHAT]))
+    return d
+
+
 def rows_of(prep):
     """Stage 01's rows (dicts) in a prepared folder."""
     with open(os.path.join(prep, "tokenized_data.jsonl")) as f:

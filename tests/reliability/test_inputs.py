@@ -7,13 +7,10 @@ import shutil
 
 import pytest
 
-from conftest import assert_refused, run_script, snapshot
+from conftest import CHAT, assert_refused, chat_folder, run_script, snapshot
 from eagle3pipe import verifier
 from eagle3pipe.cli import UsageError
 from eagle3pipe.evaluation import check_draft
-
-
-CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
 
 
 DEEP = 100_000
@@ -34,14 +31,6 @@ def prepare(model_path, tmp_path, *args, **extra_env):
     return p, secs
 
 
-def _folder(tmp_path):
-    d = tmp_path / "data"
-    (d / "sub").mkdir(parents=True)
-    (d / "a.jsonl").write_text(json.dumps(CHAT) + "\n")
-    (d / "sub" / "b.json").write_text(json.dumps([CHAT]))
-    return d
-
-
 @pytest.mark.parametrize("make,entry,says", [
     (lambda d: (d / "notes.txt").write_text("hi"), "notes.txt", "is not a .jsonl, .json or .parquet file"),
     (lambda d: (d / "sub" / "x.csv").write_text("a,b"), "sub/x.csv", "is not a .jsonl, .json or .parquet file"),
@@ -52,7 +41,7 @@ def _folder(tmp_path):
     (lambda d: os.symlink(d, d / "sub" / "loop"), "sub/loop", "links to a folder already in the dataset"),
 ])
 def test_folder_holding_anything_else_is_refused_naming_it(model_path, tmp_path, make, entry, says):
-    d = _folder(tmp_path)
+    d = chat_folder(tmp_path)
     make(d)
     p, secs = prepare(model_path, tmp_path, "--dataset", str(d))
     assert_refused(p, secs, f"--dataset {d}: {d}/{entry} ", says)

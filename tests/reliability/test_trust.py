@@ -3,7 +3,6 @@ a folder, bad numbers are refused before anything exists, and a stage 01 row edi
 
 Every refusal: exit 2, exactly one `error:` line, no traceback, under 3 s, and every file the stage did not create
 still there, byte for byte (the folder's own dot-files included)."""
-import hashlib
 import json
 import os
 import shutil
@@ -13,27 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO, loaded_nothing, run_script, train_args
-
-
-def snapshot(*roots):
-    """{path: sha256} of every file and link under `roots`, dot-files included."""
-    out = {}
-    for root in roots:
-        for d, dirs, files in os.walk(root):
-            for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
-                p = os.path.join(d, name)
-                out[p] = os.readlink(p) if os.path.islink(p) else hashlib.sha256(open(p, "rb").read()).hexdigest()
-    return out
-
-
-def refused(p, secs, *needles):
-    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
-    lines = [l for l in p.stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in p.stderr, p.stderr[-3000:]
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    assert loaded_nothing(p), f"refused only after importing {p.heavy}"
+from conftest import REPO, assert_refused, run_script, snapshot, train_args
 
 
 def script(name):
@@ -69,12 +48,12 @@ def test_empty_output_paths_are_refused_by_every_stage(prep, model_path, tmp_pat
                  ["04_train.py", "--model-path", model_path, "--output-dir", ""],
                  ["05_evaluate.py", "--model-path", model_path, "--output-dir", ""]):
         p, secs = run_script(script(argv[0]), *argv[1:], cwd=user_folder)
-        refused(p, secs, "--output-dir: empty path")
+        assert_refused(p, secs, "--output-dir: empty path")
     cfg = tmp_path / "c.yaml"  # an empty output key in a config file is the same empty path
     cfg.write_text('vocab_mapping: ""\n')
     p, secs = run_script(script("03_build_vocab_mapping.py"), "--config", str(cfg), "--prepared-data", str(prep),
                          cwd=user_folder)
-    refused(p, secs, "--output-dir: empty path")
+    assert_refused(p, secs, "--output-dir: empty path")
     assert snapshot(user_folder, prep) == before
 
 
@@ -85,7 +64,7 @@ def test_the_working_folder_its_parents_and_home_are_refused(prep, model_path, u
     for argv in (["01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "2"],
                  ["03_build_vocab_mapping.py", "--prepared-data", str(prep)]):
         p, secs = run_script(script(argv[0]), *argv[1:], "--output-dir", out, cwd=user_folder)
-        refused(p, secs, needle)
+        assert_refused(p, secs, needle)
     assert snapshot(user_folder, prep) == before
 
 
@@ -94,7 +73,7 @@ def test_a_folder_holding_only_dot_files_is_not_taken(prep, user_folder):
     before = snapshot(user_folder)
     p, secs = run_script("03_build_vocab_mapping.py", "--prepared-data", str(prep), "--draft-vocab-size", "64",
                          "--output-dir", str(user_folder))
-    refused(p, secs, "holds '.env'", "never deletes or replaces")
+    assert_refused(p, secs, "holds '.env'", "never deletes or replaces")
     assert snapshot(user_folder) == before
 
 
@@ -109,12 +88,12 @@ def test_a_stage_rerun_never_replaces_a_folder_holding_anything_else(prep, model
     (out / "other_run" / "manifest.json").write_text("{}")
     before = snapshot(out, prep)
     p, secs = run_script(*argv)
-    refused(p, secs, "holds 'notes.txt'")
+    assert_refused(p, secs, "holds 'notes.txt'")
     assert snapshot(out, prep) == before
     # stage 02 cannot nest its folder inside its own input either
     p, secs = run_script("02_extract_hidden_states.py", "--model-path", model_path, "--prepared-data", str(prep),
                          "--output-dir", str(prep / "hs"), "--max-seq-len", "256", "--backend", "hf")
-    refused(p, secs, "is inside the input --prepared-data")
+    assert_refused(p, secs, "is inside the input --prepared-data")
     assert snapshot(out, prep) == before and not (prep / "hs").exists()
 
 
@@ -127,7 +106,7 @@ def test_a_dataset_inside_the_output_folder_is_refused_not_deleted(model_path, t
     before = snapshot(tmp_path)
     p, secs = run_script("01_prepare_dataset.py", "--model-path", model_path, "--dataset", str(data), "--output-dir",
                          str(out))
-    refused(p, secs, "contains the input --dataset")
+    assert_refused(p, secs, "contains the input --dataset")
     assert snapshot(tmp_path) == before
 
 
@@ -152,7 +131,7 @@ def test_overwrite_never_touches_lookalike_names(hs, prep, model_path):
     try:
         before = snapshot(hs)
         p, secs = run_script(*argv)
-        refused(p, secs, "holds 'hs_007.safetensors'", "did not make")
+        assert_refused(p, secs, "holds 'hs_007.safetensors'", "did not make")
         assert snapshot(hs) == before
     finally:
         shutil.rmtree(planted[0])
@@ -180,7 +159,7 @@ def test_a_second_run_on_the_same_folder_is_refused_and_the_first_completes(prep
         live_tmp = out / f".hs_5.safetensors.tmp-{writer.pid}-0a1b2c3d"
         live_tmp.write_bytes(b"in flight")
         p, secs = run_script(*argv[1:])
-        refused(p, secs, "in use by another run", f"PID {first.pid}")
+        assert_refused(p, secs, "in use by another run", f"PID {first.pid}")
         assert live_tmp.read_bytes() == b"in flight"
     finally:
         stdout, stderr = first.communicate(timeout=300)
@@ -189,7 +168,7 @@ def test_a_second_run_on_the_same_folder_is_refused_and_the_first_completes(prep
     writer.kill()
     writer.wait()
     p, secs = run_script(*argv[1:])  # its writer is gone, but no record says this stage made it: named, and kept
-    refused(p, secs, f"holds '{live_tmp.name}'")
+    assert_refused(p, secs, f"holds '{live_tmp.name}'")
     assert live_tmp.read_bytes() == b"in flight"
 
 
@@ -200,7 +179,7 @@ def test_bad_numbers_are_refused_before_anything_exists(stages, model_path, tmp_
                           (["--num-workers", "-1"], "--num-workers -1: must be at least 0"),
                           (["--lr", "inf"], "--lr inf")):
         p, secs = run_script(*train_args(model_path, stages, out, *flags))
-        refused(p, secs, needle)
+        assert_refused(p, secs, needle)
     assert not out.exists()
 
 
@@ -213,16 +192,16 @@ def test_a_stage01_row_edited_after_stage02_is_named(stages, model_path, tmp_pat
     (prep / "tokenized_data.jsonl").write_text("".join(lines[:3] + [json.dumps(edited) + "\n"] + lines[4:]))
     d = dict(stages, prepared=prep)
     p, secs = run_script(*train_args(model_path, d, tmp_path / "ckpt"))
-    refused(p, secs, "row 3 (line 4)", "hs_3.safetensors", "rerun 01_prepare_dataset.py")
+    assert_refused(p, secs, "row 3 (line 4)", "hs_3.safetensors", "rerun 01_prepare_dataset.py")
     masked = json.loads(lines[7])  # the same ids, one loss-mask bit flipped: no row's tokens differ, the hash does
     masked["loss_mask"][0] = 1 - masked["loss_mask"][0]
     (prep / "tokenized_data.jsonl").write_text("".join(lines[:7] + [json.dumps(masked, separators=(",", ":")) + "\n"]
                                                        + lines[8:]))
     p, secs = run_script(*train_args(model_path, d, tmp_path / "ckpt"))
-    refused(p, secs, "was edited after stage 01", "content_id")
+    assert_refused(p, secs, "was edited after stage 01", "content_id")
     (prep / "tokenized_data.jsonl").write_text("".join(lines[:2]) + "{not json\n" + "".join(lines[3:]))
     p, secs = run_script(*train_args(model_path, d, tmp_path / "ckpt"))
-    refused(p, secs, "tokenized_data.jsonl:3: malformed row")
+    assert_refused(p, secs, "tokenized_data.jsonl:3: malformed row")
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -237,7 +216,7 @@ def test_manifests_that_are_not_what_a_stage_wrote(prep, tmp_path, content, need
     shutil.copytree(prep, bad)
     (bad / "manifest.json").write_text(content)
     p, secs = run_script("03_build_vocab_mapping.py", "--prepared-data", str(bad), "--output-dir", str(tmp_path / "v"))
-    refused(p, secs, needle)
+    assert_refused(p, secs, needle)
     assert not (tmp_path / "v").exists()
 
 
@@ -249,5 +228,5 @@ def test_a_checkpoint_folder_with_a_person_s_folder_is_not_resumed_or_cleared(tr
     before = snapshot(out)
     for extra in ([], ["--overwrite"]):
         p, secs = run_script(*train_args(model_path, stages, out, "--epochs", "6", "--lr", "3e-3", *extra))
-        refused(p, secs, "holds '2025'")
+        assert_refused(p, secs, "holds '2025'")
     assert snapshot(out) == before

@@ -9,20 +9,11 @@ from eagle3pipe import conversations as conv
 from eagle3pipe import verifier
 from eagle3pipe.cli import UsageError
 
-CHAT = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
-
-
-def _folder(tmp_path):
-    d = tmp_path / "data"
-    (d / "sub").mkdir(parents=True)
-    (d / "a.jsonl").write_text(json.dumps(CHAT) + "\n")
-    (d / "sub" / "b.json").write_text(json.dumps([CHAT]))
-    return d
-
+from conftest import CHAT, chat_folder
 
 
 def test_folder_hidden_entries_skipped_links_to_files_followed(tmp_path):
-    d = _folder(tmp_path)
+    d = chat_folder(tmp_path)
     (d / ".git" / "objects").mkdir(parents=True)
     (d / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     (d / ".DS_Store").write_bytes(b"\0\1")
