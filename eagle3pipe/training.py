@@ -210,6 +210,22 @@ class OfflineData:
         return {"skipped_samples": skipped_rows(self.out)}
 
 
+DEFAULT_RECIPE = {"draft_arch": "llama", "norm_before_fc": True, "fc_norm": False, "norm_output": True,
+                  "loss_fn": "kl_div", "ttt_step_loss_decay": 1.0, "optimizer": "muon", "scheduler_type": "linear"}
+
+
+def recipe(args, fp):
+    """The draft's recipe as speculators' TrainConfig takes it (`args`: settings.Train; `fp`: the verifier's
+    fingerprint). `--draft-arch auto`: the verifier's family where speculators has a draft layer for it."""
+    arch = args.draft_arch
+    if arch == "auto":
+        arch = "qwen3" if str(fp.get("model_type") or "").startswith("qwen3") else "llama"
+    nbf = args.norm_before_fc if args.norm_before_fc is not None else not args.fc_norm
+    return {"draft_arch": arch, "norm_before_fc": nbf, "fc_norm": args.fc_norm,
+            "norm_output": args.norm_output, "loss_fn": args.loss_fn, "ttt_step_loss_decay": args.ttt_step_loss_decay,
+            "optimizer": args.optimizer, "scheduler_type": args.scheduler}
+
+
 def check_split(rows, val_ratio):
     """speculators splits the rows at int(rows x (1 - val_ratio)): both sides must hold a row."""
     cut = int(rows * (1 - val_ratio))
@@ -440,12 +456,53 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
                 publish(str(root), str(epoch), local_step)
 
         def maybe_update_best(self, epoch, val_metrics):
-            super().maybe_update_best(epoch, val_metrics)
+            """`checkpoint_best` -> the epoch whose draft has the highest expected acceptance length on the
+            validation rows (expected_acceptance), not the lowest loss: the two part ways late in training. Only an
+            epoch that saved a checkpoint can be best (speculators' rule); the link and val_metrics.json are the
+            stage's own files, written through outdir."""
+            score = expected_acceptance(val_metrics)
+            if score is None:  # no per-position accuracies: speculators' own rule, by loss
+                super().maybe_update_best(epoch, val_metrics)
+            elif self.rank == 0 and score > best_acceptance(self.checkpointer.path):
+                freq = self.config.checkpoint_freq
+                if freq >= 1 and not (epoch == 0 or (epoch + 1) % int(freq) == 0):
+                    return
+                from .files import write_json
+                write_json(str(self.checkpointer.path / str(epoch) / "val_metrics.json"),
+                           {**val_metrics, "expected_acceptance_length": score})
+                outdir.symlink(str(epoch), str(self.checkpointer.path / "checkpoint_best"))
+                self.best_val_loss = min(self.best_val_loss, val_metrics.get("loss_epoch", float("inf")))
+                log.info(f"checkpoint_best -> {epoch}: expected acceptance length {score:.3f} on the validation rows "
+                         f"(loss {val_metrics.get('loss_epoch', float('nan')):.4f})")
             if self.rank == 0:
                 for name in ("checkpoint_best", f"{epoch}/val_metrics.json"):
                     if os.path.lexists(self.checkpointer.path / name):
                         outdir.record(str(self.checkpointer.path / name))
     return PipelineTrainer
+
+
+def expected_acceptance(val_metrics):
+    """1 + a1 + a1*a2 + ...: the expected number of tokens a step yields (the verifier's own one, plus each draft
+    token accepted while every one before it was), from speculators' per-position `full_acc_{k}_epoch` (already the
+    product up to position k) on the validation rows. None without them."""
+    if not isinstance(val_metrics, dict):
+        return None
+    ks = sorted(int(k[len("full_acc_"):-len("_epoch")]) for k in val_metrics
+                if k.startswith("full_acc_") and k.endswith("_epoch") and k[len("full_acc_"):-len("_epoch")].isdigit())
+    if not ks:
+        return None
+    return round(1 + sum(float(val_metrics[f"full_acc_{k}_epoch"]) for k in ks), 6)
+
+
+def best_acceptance(root):
+    """The expected acceptance length `checkpoint_best` was chosen for (-1 when there is none yet)."""
+    best = os.path.join(str(root), "checkpoint_best")
+    try:
+        with open(os.path.join(best, "val_metrics.json"), encoding="utf-8") as f:
+            score = expected_acceptance(json.load(f))
+    except (OSError, ValueError):
+        return -1.0
+    return -1.0 if score is None else score
 
 
 def discard_staged(staged):
@@ -545,7 +602,8 @@ def prepare_output(args, identity, inputs, rank):
     return out, previous
 
 
-def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16", engine_url=None, dtype="bfloat16"):
+def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16", engine_url=None, dtype="bfloat16",
+                 recipe_=None):
     """speculators' TrainConfig. `dtype` (compute.py) is its hidden_states_dtype: the loader's states and autocast.
     float32 turns autocast off (it knows only bf16/fp16) and the draft, whose master weights speculators keeps in
     float32 anyway, computes in float32; the checkpoint is saved bf16 either way."""
@@ -577,11 +635,13 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16
                     request_timeout=600.0, prefetch_factor=2)
     if on_cpu:  # no Triton driver, no flex attention: torch's sdpa
         flat.update(draft_attn_impl="sdpa")
-    flat["loss_implementation"] = choose_loss(args.loss_implementation, on_cpu, draft_vocab, args.ttt_steps)
+    flat.update(recipe_ or DEFAULT_RECIPE)
+    flat["loss_implementation"] = choose_loss(args.loss_implementation, on_cpu, draft_vocab, args.ttt_steps,
+                                              flat["loss_fn"])
     return TrainConfig.from_flat(flat)
 
 
-def choose_loss(requested, on_cpu, draft_vocab, ttt_steps):
+def choose_loss(requested, on_cpu, draft_vocab, ttt_steps, loss_fn="kl_div"):
     """speculators' loss implementation. `auto`: its Triton-fused loss where it compiles, else the eager one. On CPU
     there is no Triton driver. On GPU the fused loss runs inside the draft's compiled forward, and some torch versions
     fail to compile it ("ListVariable(...) is already tracked for mutation" on torch 2.11, after two minutes of
@@ -591,7 +651,7 @@ def choose_loss(requested, on_cpu, draft_vocab, ttt_steps):
     if on_cpu:
         return "eager"
     t0 = time.time()
-    why = fused_loss_fails(draft_vocab, ttt_steps)
+    why = fused_loss_fails(draft_vocab, ttt_steps, loss_fn)
     if why:
         log.info(f"loss implementation: eager (speculators' fused Triton loss does not compile here: {why}; probe "
                  f"{time.time() - t0:.0f} s)")
@@ -600,14 +660,14 @@ def choose_loss(requested, on_cpu, draft_vocab, ttt_steps):
     return "fused"
 
 
-def fused_loss_fails(draft_vocab, ttt_steps, tokens=256):
+def fused_loss_fails(draft_vocab, ttt_steps, loss_fn="kl_div", tokens=256):
     """Compile speculators' fused loss as the draft's forward uses it (every TTT step's loss and metrics in one
     torch.compile graph) and run forward and backward once on [1, tokens, draft_vocab] logits. None when it works,
     else the error's first line."""
     import torch
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3.metrics import compute_metrics
-    cfg = resolve_loss_config("kl_div", "fused")
+    cfg = resolve_loss_config(loss_fn, "fused")
 
     @torch.compile
     def loss_of(logits, targets, mask):
@@ -672,4 +732,5 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None):
     return {"steps": t.global_step if t else 0, "steps_this_run": (t.global_step - holder.get("start_step", 0)) if t else 0,
             "checkpoint_last": real("last"),
             "checkpoint_best": real("checkpoint_best"), "best_val_loss": getattr(t, "best_val_loss", None),
+            "best_expected_acceptance": (best_acceptance(path) if path and best_acceptance(path) > 0 else None),
             "data_wait_fraction": dense.wait_fraction}

@@ -86,3 +86,26 @@ def test_no_module_but_the_adapter_room_replaces_another_library_s_attribute():
     probe = "import torch\nimport speculators.train.cli as scli\nfrom x import y\ntorch.a.b = 1\nscli.T = 2\n" \
             "setattr(y, 'z', 3)\nlocal = object()\nlocal.attr = 4\n"
     assert [r.split(" ", 1)[1] for r in _replacements(probe, "probe")] == ["torch.a.b", "scli.T", "y.?"]
+
+
+def test_every_recipe_option_reaches_speculators_config_by_name():
+    """speculators' TrainConfig.from_flat drops keys it does not know, silently: each recipe option must be one of
+    its names, and the losses stage 04 accepts must be the ones it has."""
+    from speculators.losses.utils import _EAGER_LOSS_FN_MAP, _FUSED_LOSS_FN_MAP
+    from speculators.train.config import schema
+    from eagle3pipe import settings, training
+    assert set(training.DEFAULT_RECIPE) <= set(schema.CONFIG_DESTS)
+    assert sorted(settings.Train.LOSSES) == sorted(_EAGER_LOSS_FN_MAP) == sorted(_FUSED_LOSS_FN_MAP)
+    changed = {"draft_arch": "qwen3", "norm_before_fc": False, "fc_norm": True, "norm_output": False,
+               "loss_fn": '{"ce": 0.1, "tv": 0.9}', "ttt_step_loss_decay": 0.8, "optimizer": "adamw",
+               "scheduler_type": "cosine"}
+    flat = schema.TrainConfig.from_flat({**training.DEFAULT_RECIPE, **changed}).flatten()
+    assert {k: flat[k] for k in changed} == changed
+
+
+def test_a_recipe_option_the_installed_vllm_cannot_serve_is_one_line(monkeypatch):
+    adapters.check_serves({"draft_arch": "qwen3", "norm_before_fc": True, "fc_norm": True, "norm_output": True})
+    monkeypatch.setitem(adapters.SERVES, "fc_norm", (adapters._EAGLE3, r"\bfc_norm_renamed\b"))
+    with pytest.raises(UsageError) as e:
+        adapters.check_serves({"draft_arch": "llama", "fc_norm": True})
+    assert "\n" not in str(e.value) and str(e.value).startswith("--fc-norm: vllm") and "0.32" in str(e.value)

@@ -129,8 +129,10 @@ def record(cls, **over):
                 total_seq_len=64, num_layers=1, ttt_steps=1, checkpoint_freq=1.0, log_every=1, val_ratio=0.1,
                 num_prompts=1, num_speculative_tokens=1, max_new_tokens=1, batch_sizes=[1], draft_vocab_size=8,
                 gpu_memory_utilization=0.5, regen_temperature=0.0, regen_max_tokens=1, regen_batch_size=1,
-                regen_tp_size=1, cache_gb=0.0, engine_timeout=60)
-    for flag in ("trust_remote_code", "regenerate", "verify", "verify_data", "dry_run", "overwrite", "fsdp", "online"):
+                regen_tp_size=1, cache_gb=0.0, engine_timeout=60, draft_arch="auto", loss_fn="kl_div",
+                ttt_step_loss_decay=1.0, optimizer="muon", scheduler="linear")
+    for flag in ("trust_remote_code", "regenerate", "verify", "verify_data", "dry_run", "overwrite", "fsdp", "online",
+                 "fc_norm", "norm_output"):
         base[flag] = False
     base.update(over)
     return cls(**{k: v for k, v in base.items() if k in cls.__dataclass_fields__})
@@ -146,6 +148,15 @@ def record(cls, **over):
     (settings.Train, {"epochs": True}, "--epochs True: expected an integer"),
     (settings.Train, {"num_layers": 1000}, "--num-layers 1000: must be at most 32"),
     (settings.Train, {"seed": -1}, "--seed -1: must be at least 0"),
+    (settings.Train, {"loss_fn": "mse"}, "--loss-fn 'mse': give one of kl_div"),
+    (settings.Train, {"loss_fn": '{"ce": 0.1, "tv": -1}'}, "a JSON object of them with positive weights"),
+    (settings.Train, {"loss_fn": '{"ce": NaN}'}, "--loss-fn"),
+    (settings.Train, {"loss_fn": "[" * 100000}, "--loss-fn"),
+    (settings.Train, {"ttt_step_loss_decay": 0.0}, "--ttt-step-loss-decay 0.0: must be greater than 0"),
+    (settings.Train, {"optimizer": "sgd"}, "--optimizer 'sgd': choose one of adamw, muon"),
+    (settings.Train, {"scheduler": "step"}, "--scheduler 'step'"),
+    (settings.Train, {"draft_arch": "mistral"}, "--draft-arch 'mistral'"),
+    (settings.Train, {"norm_before_fc": True, "fc_norm": True}, "--norm-before-fc and --fc-norm: one norm"),
     (settings.Extract, {"gpu_memory_utilization": 0.0}, "must be greater than 0"),
     (settings.Extract, {"writer_threads": 65}, "--writer-threads 65: must be at most 64"),
     (settings.Extract, {"layer_ids": [2, -1]}, "--layer-ids"),
@@ -545,3 +556,29 @@ def test_an_engine_spool_is_never_a_stage_s_folder_or_inside_this_run_s(tmp_path
         assert online_plan.plan(s, fp, tc, 100, [2, 15, 27, 30]).spool == str(tmp_path / "spool")
     finally:
         srv.shutdown()
+
+
+def test_checkpoint_best_follows_the_expected_acceptance_not_the_loss(tmp_path):
+    """Late in training the loss can keep falling while acceptance falls: epoch 1 has the lower loss, epoch 0 the
+    higher acceptance (1 + a1 + a1*a2 + ...), and checkpoint_best stays on epoch 0, through the stage's trainer."""
+    from speculators.train.checkpointer import SingleGPUCheckpointer
+    from eagle3pipe import training
+    d = tmp_path / "ck"
+    _claim(d, "train")
+    for e in ("0", "1"):
+        outdir.make_dir(str(d / e))
+
+    class Config:
+        checkpoint_freq = 1.0
+    cls = training.make_trainer_class(None, True, None)
+    t = cls.__new__(cls)  # the stage's trainer class, with only what maybe_update_best reads
+    t.rank, t.config, t.best_val_loss, t.checkpointer = 0, Config(), float("inf"), SingleGPUCheckpointer(d)
+    epochs = [{"loss_epoch": 9.7, "full_acc_0_epoch": 0.40, "full_acc_1_epoch": 0.12, "full_acc_2_epoch": 0.04},
+              {"loss_epoch": 9.1, "full_acc_0_epoch": 0.35, "full_acc_1_epoch": 0.10, "full_acc_2_epoch": 0.03}]
+    for e, m in enumerate(epochs):
+        t.maybe_update_best(e, m)
+    assert os.readlink(d / "checkpoint_best") == "0" and t.best_val_loss == 9.7
+    assert training.best_acceptance(d) == training.expected_acceptance(epochs[0]) == 1.56
+    assert outdir.owned(str(d / "checkpoint_best")) and outdir.owned(str(d / "0" / "val_metrics.json"))
+    t.maybe_update_best(1, {**epochs[1], "full_acc_0_epoch": 0.6})  # now epoch 1 accepts more: it becomes best
+    assert os.readlink(d / "checkpoint_best") == "1"
