@@ -4,12 +4,14 @@ Usage:
     python 05_evaluate.py --config configs/smollm2-135m.yaml --draft data/checkpoints/last
     python 05_evaluate.py --model-path M --draft D --prompts held_out.jsonl --num-prompts 100 --batch-sizes 1,8
 
-Inputs:  --model-path (verifier), --draft (a stage 04 checkpoint), --prompts (`sharegpt` by default: the
+Inputs:  --model-path (verifier), --draft (a stage 04 checkpoint, or a stage 04 folder: its checkpoints are
+         ranked by acceptance through vLLM and the best measured in full), --prompts (`sharegpt` by default: the
          conversations after the range stage 01 used, so never training data; or a .jsonl/.json/.parquet file or
          a hub dataset of chats: each prompt is the first user turn with any system turn before it).
 Outputs: --output-dir/report.json (acceptance length, per-position rates, draft-token acceptance, output tok/s
          with and without the draft at each batch size, greedy-equality check), acceptance.png (per-position
-         acceptance + stage 04's training curves), manifest.json; a table on stdout.
+         acceptance + stage 04's training curves + the ranking), manifest.json; a table on stdout, then the
+         trainer's estimate beside vLLM's measurement.
 Greedy outputs are compared at batch size 1: vLLM-CPU's bf16 batched outputs depend on the batch's shape even
 without a draft, so equality is only meaningful one prompt at a time.
 """
@@ -23,7 +25,9 @@ ENGINE_LOG = "engine.log"
 def parse_args(argv=None):
     p = cli.Parser(description="Stage 05: acceptance length and speed-up of the draft through vLLM.")
     p.add_argument("--model-path", help="verifier: HF model folder or hub id")
-    p.add_argument("--draft", default="data/checkpoints/last", help="stage 04 checkpoint folder")
+    p.add_argument("--draft", default="data/checkpoints/last",
+                   help="a stage 04 checkpoint, or a stage 04 folder: every epoch's checkpoint is measured on the "
+                        "same prompts and ranked, and the best reported in full")
     p.add_argument("--prompts", default="sharegpt", help="'sharegpt' (held out after stage 01's range), a chat "
                    "file or folder, or a hub dataset")
     p.add_argument("--prepared-data", default="data/prepared", help="stage 01 folder (how many records to skip)")
@@ -43,26 +47,26 @@ def main():
     log = cli.setup_logging()
     from eagle3pipe import engine, evaluation
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
-    evaluation.check_draft(args.draft, fp)
+    drafts, mismatches = evaluation.drafts_to_measure(args.draft, fp, tc)  # one, or each epoch of a stage 04 folder
     gpus = engine.visible_gpus()
     blocker = engine.eagle3_blocker(tc, bool(gpus))
     if blocker:  # refused in seconds, not after the verifier's load
         raise cli.UsageError(f"--model-path {args.model_path}: cannot evaluate an eagle3 draft here: {blocker}; run "
                              f"stage 05 on a GPU machine")
     conversations.check_dataset(args.prompts, "--prompts")
-    run = os.path.dirname(os.path.realpath(args.draft))  # a stage 04 folder holds the draft: nothing goes inside it
+    run = args.draft if len(drafts) > 1 else os.path.dirname(os.path.realpath(args.draft))  # nothing goes inside it
     inputs = [("--model-path", args.model_path), ("--prompts", args.prompts), ("--prepared-data", args.prepared_data),
               ("--draft", run if files.read_manifest(run) is not None else args.draft)]
     outdir.check("--output-dir", args.output_dir, "evaluate", inputs)
     skip, unknown = evaluation.held_out_skip(args.prompts, args.prepared_data)  # never evaluate on training data
-    train_metrics, cut = evaluation.read_train_metrics(args.draft)
+    train_metrics, cut = evaluation.read_train_metrics(drafts[0][1])
     prompts = evaluation.select_prompts(args, skip)
     out = outdir.claim("--output-dir", args.output_dir, "evaluate", inputs)
     dtype = compute.resolve(args.dtype, bool(gpus))
     log.info(dtype.describe())
     if dtype.warning:
         log.warning(dtype.warning)
-    for warning in (unknown, cut):
+    for warning in [unknown, cut] + mismatches:
         if warning:
             log.warning(warning)
     log.info(f"{len(prompts)} prompts from {args.prompts} (after the first {skip} records)")
@@ -76,10 +80,19 @@ def main():
     common = dict(max_model_len=max_len, on_gpu=bool(gpus), tp=args.tp_size, trust_remote_code=args.trust_remote_code,
                   dtype=dtype.dtype, log_path=os.path.join(out, ENGINE_LOG))
     base = evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, **common)
-    spec = evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, draft=os.path.abspath(args.draft),
-                                 k=args.num_speculative_tokens, reference=base[1]["outputs"], **common)
+    def spec_run(path, batch_sizes=(1,), reference=None):
+        return evaluation.run_engine(args.model_path, ids, list(batch_sizes), args.max_new_tokens, draft=path,
+                                     k=args.num_speculative_tokens, reference=reference, **common)
+    ranking = evaluation.rank(drafts, spec_run) if len(drafts) > 1 else None  # each checkpoint, the same prompts
+    best = ranking[0]["draft"] if ranking else os.path.abspath(drafts[0][1])
+    if ranking:
+        log.info("ranked by acceptance length through vLLM: " + ", ".join(
+            f"{r['name']} {r['acceptance_length']}" for r in ranking) + f"; the best, {best}, in full:")
+    spec = spec_run(best, sizes, base[1]["outputs"])
     diffs = spec[1].pop("divergences")
     report = {
+        "draft": os.path.realpath(best), "ranking": ranking, "trainer_vs_vllm": evaluation.reconcile(best, spec[1]),
+        "config_mismatches": mismatches,
         "acceptance_length": spec[max(sizes)]["acceptance_length"], "num_prompts": len(prompts),
         "compute_dtype": dtype.dtype,
         "greedy_identical_at_batch_1": f"{len(prompts) - len(diffs)}/{len(prompts)}", "greedy_divergences": diffs,
@@ -92,7 +105,7 @@ def main():
     with files.atomic_path(os.path.join(out, "acceptance.png")) as tmp:
         evaluation.plot(report, train_metrics, tmp)
     files.write_json(os.path.join(out, files.MANIFEST), files.manifest("evaluate", args, verifier=fp,
-                     draft=os.path.realpath(args.draft), skipped_records=skip, report=report))
+                     draft=os.path.realpath(best), skipped_records=skip, report=report))
     print(f"\n{'batch':>5} {'accept len':>10} {'per-position acceptance':>26} {'tok/s base':>10} {'tok/s spec':>10} "
           f"{'speed-up':>8}")
     for b in sizes:
@@ -100,6 +113,8 @@ def main():
         pos = " ".join(f"{x:.2f}" for x in s["per_position"])
         print(f"{b:>5} {s['acceptance_length'] or 0:>10.3f} {pos:>26} {base[b]['tokens_per_s']:>10.1f} "
               f"{s['tokens_per_s']:>10.1f} {report['speedup'][b]:>7.2f}x")
+    for line in evaluation.summary(report):
+        print(line)
     print(f"{evaluation.explain(diffs, len(prompts))}; report: {os.path.join(args.output_dir, 'report.json')}")
     return 0
 

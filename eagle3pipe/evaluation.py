@@ -54,6 +54,122 @@ def check_draft(draft, fp):
     return cfg
 
 
+def candidates(draft):
+    """The checkpoints to measure: every epoch checkpoint of a stage 04 folder (numbered folders holding a
+    config.json, in epoch order), or the one checkpoint `draft` names. -> [(name, path)]."""
+    from .files import read_manifest
+    if os.path.isdir(draft) and not os.path.isfile(os.path.join(draft, "config.json")):
+        man = read_manifest(draft)
+        if not (isinstance(man, dict) and man.get("stage") == "train"):
+            raise UsageError(f"--draft {draft}: neither a checkpoint (no config.json) nor a stage 04 folder (no "
+                             f"stage 04 manifest.json); give data/checkpoints/last or data/checkpoints")
+        found = sorted((int(n), n) for n in os.listdir(draft) if n.isdigit() and os.path.isfile(
+            os.path.join(draft, n, "config.json")) and not os.path.islink(os.path.join(draft, n)))
+        if not found:
+            raise UsageError(f"--draft {draft}: a stage 04 folder without a finished checkpoint; rerun 04_train.py")
+        return [(n, os.path.join(draft, n)) for _, n in found]
+    return [(os.path.basename(os.path.realpath(draft)), draft)]
+
+
+def train_manifest(draft):
+    """The manifest of the stage 04 run a checkpoint came from, or {}."""
+    from .files import read_json
+    path = os.path.join(os.path.dirname(os.path.realpath(draft)), "manifest.json")
+    try:
+        man = read_json(path) if os.path.isfile(path) else {}
+    except UsageError:
+        return {}
+    return man if isinstance(man, dict) and man.get("stage") == "train" else {}
+
+
+def serving_mismatches(cfg, text_cfg, man):
+    """What a draft's config says against the verifier's config and the stage 04 run that trained it. -> ([hard],
+    [soft]): hard ones (the draft would read other inputs than it was trained on) are refused before any engine
+    loads; soft ones (positions, rope) are named in the log and the report."""
+    layer = cfg.get("transformer_layer_config") or {}
+    hard, soft = [], []
+    if layer.get("vocab_size") not in (None, text_cfg.get("vocab_size")):
+        hard.append(f"vocabulary {layer.get('vocab_size')} against the verifier's {text_cfg.get('vocab_size')}")
+    if man:
+        if man.get("aux_layer_ids") and cfg.get("eagle_aux_hidden_state_layer_ids") != man["aux_layer_ids"]:
+            hard.append(f"auxiliary layer ids {cfg.get('eagle_aux_hidden_state_layer_ids')} against the "
+                        f"{man['aux_layer_ids']} stage 02 extracted for it")
+        if man.get("draft_vocab_size") and cfg.get("draft_vocab_size") != man["draft_vocab_size"]:
+            hard.append(f"draft vocabulary {cfg.get('draft_vocab_size')} against stage 03's {man['draft_vocab_size']}")
+        for k in ("norm_before_fc", "fc_norm", "norm_output"):
+            if k in (man.get("recipe") or {}) and bool(cfg.get(k)) != bool(man["recipe"][k]):
+                hard.append(f"{k}={cfg.get(k)} against the {man['recipe'][k]} it was trained with")
+    mine, theirs = layer.get("max_position_embeddings"), text_cfg.get("max_position_embeddings")
+    if mine and theirs and mine != theirs:
+        soft.append(f"max_position_embeddings {mine} against the verifier's {theirs}")
+    rope = lambda c: c.get("rope_parameters") or {k: c.get(k) for k in ("rope_theta", "rope_scaling") if c.get(k)}  # noqa: E731
+    if rope(layer) and rope(text_cfg) and rope(layer) != rope(text_cfg):
+        soft.append(f"rope settings {rope(layer)} against the verifier's {rope(text_cfg)}")
+    return hard, soft
+
+
+def drafts_to_measure(draft, fp, text_cfg):
+    """Every checkpoint `--draft` names (one, or each epoch of a stage 04 folder), checked before any engine loads:
+    an eagle3 checkpoint for this verifier, whose config matches the verifier and the run that trained it.
+    -> ([(name, path)], [warnings])."""
+    found, warnings = candidates(draft), []
+    for name, path in found:
+        cfg = check_draft(path, fp)
+        hard, soft = serving_mismatches(cfg, text_cfg, train_manifest(path))
+        if hard:
+            raise UsageError(f"--draft {path}: {hard[0]}; it would read other inputs than it was trained on: rerun "
+                             f"04_train.py")
+        warnings += [f"--draft {path}: {s} (the draft may accept less than it could)" for s in soft]
+    return found, warnings
+
+
+def rank(found, run):
+    """With several checkpoints: each one's acceptance at batch size 1 on the same prompts (`run(path)` -> its
+    figures), best first. -> [{"name", "draft", "acceptance_length", "per_position", "trainer"}]."""
+    from .training import expected_acceptance
+    rows = []
+    for name, path in found:
+        got = run(os.path.abspath(path))[1]
+        rows.append({"name": name, "draft": os.path.realpath(path), "acceptance_length": got["acceptance_length"],
+                     "per_position": got["per_position"],
+                     "trainer": expected_acceptance(_val_metrics(path))})
+    return sorted(rows, key=lambda r: -(r["acceptance_length"] or 0))
+
+
+def _val_metrics(path):
+    from .files import read_json
+    p = os.path.join(path, "val_metrics.json")
+    try:
+        return read_json(p) if os.path.isfile(p) else None
+    except UsageError:
+        return None
+
+
+MARGIN = 0.15  # acceptance length: the trainer's estimate and vLLM's measurement farther apart than this are named
+
+
+def reconcile(draft, measured):
+    """The trainer's estimate for a checkpoint (its val_metrics.json) beside vLLM's measurement (`measured`: one
+    batch size's figures) -> {"trainer": ..., "vllm": ..., "per_position": [[trainer, vllm], ...], "note"}."""
+    from .training import expected_acceptance
+    val = _val_metrics(draft)
+    est, got = expected_acceptance(val), measured.get("acceptance_length")
+    if est is None or got is None:
+        return {"trainer": est, "vllm": got, "note": "no trainer estimate for this checkpoint" if est is None else None}
+    trainer_pos = [val[f"full_acc_{k}_epoch"] for k in range(len(measured.get("per_position", [])))
+                   if f"full_acc_{k}_epoch" in val]
+    note = None
+    if abs(est - got) > MARGIN:
+        note = (f"the trainer's estimate ({est:.2f}) and vLLM's measurement ({got:.2f}) differ by more than {MARGIN}: "
+                + ("the held-out prompts are harder than the validation rows (other topics, or answers longer than "
+                   "training saw), or the draft overfits the training data" if est > got else
+                   "the validation rows are harder than these prompts (short, formulaic answers accept more)")
+                + "; a config mismatch (above) would also show here")
+    return {"trainer": round(est, 4), "vllm": got,
+            "per_position": [[round(t, 4), v] for t, v in zip(trainer_pos, measured.get("per_position", []))],
+            "note": note}
+
+
 def held_out_skip(prompts, prepared_data):
     """How many leading records of `prompts` stage 01 trained on, to skip: every one of them when --prepared-data's
     dataset is the same source (paths compared resolved, against the folder stage 01 ran in). -> (skip, a warning or
@@ -225,12 +341,45 @@ def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, *, dtype, lo
     return results
 
 
+def summary(report):
+    """The lines stage 05 prints under its table: the ranking of several checkpoints, and the trainer's estimate
+    beside vLLM's measurement."""
+    lines = []
+    if report.get("ranking"):
+        lines.append("checkpoints by acceptance length through vLLM (batch 1): " + ", ".join(
+            f"{r['name']} {r['acceptance_length']}" + (f" (trainer {r['trainer']:.2f})" if r["trainer"] else "")
+            for r in report["ranking"]) + f"; best: {report['draft']}")
+    rec = report.get("trainer_vs_vllm") or {}
+    if rec.get("trainer") is not None:
+        pos = " ".join(f"{t:.2f}/{v:.2f}" for t, v in rec.get("per_position", []))
+        lines.append(f"acceptance length: trainer's estimate {rec['trainer']:.2f} on its validation rows, vLLM "
+                     f"{rec['vllm']} on these prompts (per position, trainer/vLLM: {pos})")
+    if rec.get("note"):
+        lines.append(rec["note"])
+    return lines
+
+
 def plot(report, train_metrics, path):
-    """Per-position acceptance (left) and the training curves from stage 04's metrics.jsonl (right)."""
+    """Per-position acceptance (left), the training curves from stage 04's metrics.jsonl (middle) and, with several
+    checkpoints, their acceptance lengths with the best marked (right)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    ranking = report.get("ranking") or []
+    fig, axes = plt.subplots(1, 3 if ranking else 2, figsize=(16 if ranking else 11, 4))
+    a, b = axes[0], axes[1]
+    if ranking:
+        c = axes[2]
+        order = sorted(ranking, key=lambda r: int(r["name"]) if str(r["name"]).isdigit() else 0)
+        colors = ["tab:green" if r["draft"] == report.get("draft") else "tab:gray" for r in order]
+        c.bar([str(r["name"]) for r in order], [r["acceptance_length"] or 0 for r in order], color=colors,
+              label="vLLM")
+        if any(r["trainer"] for r in order):
+            c.plot([str(r["name"]) for r in order], [r["trainer"] or float("nan") for r in order], "ko--",
+                   label="trainer's estimate")
+        c.set(title="acceptance length by checkpoint (best in green)", xlabel="epoch", ylabel="acceptance length",
+              ylim=(1, None))
+        c.legend()
     for bs, r in report["speculative"].items():
         if r.get("per_position"):
             a.plot(range(1, len(r["per_position"]) + 1), r["per_position"], marker="o", label=f"batch {bs}")

@@ -461,15 +461,16 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
             epoch that saved a checkpoint can be best (speculators' rule); the link and val_metrics.json are the
             stage's own files, written through outdir."""
             score = expected_acceptance(val_metrics)
+            saved = (self.checkpointer.path / str(epoch) / "config.json").exists()  # this epoch has a checkpoint
             if score is None:  # no per-position accuracies: speculators' own rule, by loss
                 super().maybe_update_best(epoch, val_metrics)
-            elif self.rank == 0 and score > best_acceptance(self.checkpointer.path):
-                freq = self.config.checkpoint_freq
-                if freq >= 1 and not (epoch == 0 or (epoch + 1) % int(freq) == 0):
-                    return
+            elif self.rank == 0 and saved:  # every checkpoint carries its estimate (stage 05 ranks by it too)
                 from .files import write_json
                 write_json(str(self.checkpointer.path / str(epoch) / "val_metrics.json"),
                            {**val_metrics, "expected_acceptance_length": score})
+                if score <= best_acceptance(self.checkpointer.path, skip=str(epoch)):
+                    outdir.record(str(self.checkpointer.path / str(epoch) / "val_metrics.json"))
+                    return
                 outdir.symlink(str(epoch), str(self.checkpointer.path / "checkpoint_best"))
                 self.best_val_loss = min(self.best_val_loss, val_metrics.get("loss_epoch", float("inf")))
                 log.info(f"checkpoint_best -> {epoch}: expected acceptance length {score:.3f} on the validation rows "
@@ -494,9 +495,12 @@ def expected_acceptance(val_metrics):
     return round(1 + sum(float(val_metrics[f"full_acc_{k}_epoch"]) for k in ks), 6)
 
 
-def best_acceptance(root):
-    """The expected acceptance length `checkpoint_best` was chosen for (-1 when there is none yet)."""
+def best_acceptance(root, skip=None):
+    """The expected acceptance length `checkpoint_best` was chosen for (-1 when there is none yet, or when it is
+    the checkpoint `skip`, whose estimate is being replaced)."""
     best = os.path.join(str(root), "checkpoint_best")
+    if skip is not None and os.path.islink(best) and os.readlink(best) == skip:
+        return -1.0
     try:
         with open(os.path.join(best, "val_metrics.json"), encoding="utf-8") as f:
             score = expected_acceptance(json.load(f))

@@ -559,14 +559,18 @@ def test_an_engine_spool_is_never_a_stage_s_folder_or_inside_this_run_s(tmp_path
 
 
 def test_checkpoint_best_follows_the_expected_acceptance_not_the_loss(tmp_path):
+    import json
     """Late in training the loss can keep falling while acceptance falls: epoch 1 has the lower loss, epoch 0 the
     higher acceptance (1 + a1 + a1*a2 + ...), and checkpoint_best stays on epoch 0, through the stage's trainer."""
     from speculators.train.checkpointer import SingleGPUCheckpointer
     from eagle3pipe import training
     d = tmp_path / "ck"
     _claim(d, "train")
-    for e in ("0", "1"):
+    from eagle3pipe import files
+    for e in ("0", "1", "2"):
         outdir.make_dir(str(d / e))
+        if e != "2":  # epoch 2 saved no checkpoint: it cannot become best
+            files.write_json(str(d / e / "config.json"), {})
 
     class Config:
         checkpoint_freq = 1.0
@@ -580,5 +584,8 @@ def test_checkpoint_best_follows_the_expected_acceptance_not_the_loss(tmp_path):
     assert os.readlink(d / "checkpoint_best") == "0" and t.best_val_loss == 9.7
     assert training.best_acceptance(d) == training.expected_acceptance(epochs[0]) == 1.56
     assert outdir.owned(str(d / "checkpoint_best")) and outdir.owned(str(d / "0" / "val_metrics.json"))
+    assert json.load(open(d / "1" / "val_metrics.json"))["expected_acceptance_length"] == 1.48  # every epoch's
+    t.maybe_update_best(2, {**epochs[1], "full_acc_0_epoch": 0.9})
+    assert os.readlink(d / "checkpoint_best") == "0" and not (d / "2" / "val_metrics.json").exists()
     t.maybe_update_best(1, {**epochs[1], "full_acc_0_epoch": 0.6})  # now epoch 1 accepts more: it becomes best
     assert os.readlink(d / "checkpoint_best") == "1"
