@@ -4,8 +4,8 @@ Usage:
     python 05_evaluate.py --config configs/smollm2-135m.yaml --draft data/checkpoints/last
     python 05_evaluate.py --model-path M --draft D --prompts held_out.jsonl --num-prompts 100 --batch-sizes 1,8
 
-Inputs:  --model-path (verifier), --draft (a stage 04 checkpoint, or a stage 04 folder: its checkpoints are
-         ranked by acceptance through vLLM and the best measured in full), --prompts (`sharegpt` by default: the
+Inputs:  --model-path (verifier), --draft (a stage 04 checkpoint, or a stage 04 folder: each of its checkpoints is
+         measured on the same prompts, ranked by acceptance, the best reported), --prompts (`sharegpt` by default: the
          conversations after the range stage 01 used, so never training data; or a .jsonl/.json/.parquet file or
          a hub dataset of chats: each prompt is the first user turn with any system turn before it).
 Outputs: --output-dir/report.json (acceptance length, per-position rates, draft-token acceptance, output tok/s
@@ -27,7 +27,7 @@ def parse_args(argv=None):
     p.add_argument("--model-path", help="verifier: HF model folder or hub id")
     p.add_argument("--draft", default="data/checkpoints/last",
                    help="a stage 04 checkpoint, or a stage 04 folder: every epoch's checkpoint is measured on the "
-                        "same prompts and ranked, and the best reported in full")
+                        "same prompts, ranked by acceptance, and the best reported")
     p.add_argument("--prompts", default="sharegpt", help="'sharegpt' (held out after stage 01's range), a chat "
                    "file or folder, or a hub dataset")
     p.add_argument("--prepared-data", default="data/prepared", help="stage 01 folder (how many records to skip)")
@@ -80,15 +80,12 @@ def main():
     common = dict(max_model_len=max_len, on_gpu=bool(gpus), tp=args.tp_size, trust_remote_code=args.trust_remote_code,
                   dtype=dtype.dtype, log_path=os.path.join(out, ENGINE_LOG))
     base = evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, **common)
-    def spec_run(path, batch_sizes=(1,), reference=None):
-        return evaluation.run_engine(args.model_path, ids, list(batch_sizes), args.max_new_tokens, draft=path,
-                                     k=args.num_speculative_tokens, reference=reference, **common)
-    ranking = evaluation.rank(drafts, spec_run) if len(drafts) > 1 else None  # each checkpoint, the same prompts
-    best = ranking[0]["draft"] if ranking else os.path.abspath(drafts[0][1])
-    if ranking:
-        log.info("ranked by acceptance length through vLLM: " + ", ".join(
-            f"{r['name']} {r['acceptance_length']}" for r in ranking) + f"; the best, {best}, in full:")
-    spec = spec_run(best, sizes, base[1]["outputs"])
+    def spec_run(path):
+        return evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, draft=path,
+                                     k=args.num_speculative_tokens, reference=base[1]["outputs"], **common)
+    ranking, spec = evaluation.rank(drafts, spec_run)  # each checkpoint on the same prompts, the best first
+    best = ranking[0]["draft"]
+    ranking = ranking if len(drafts) > 1 else None
     diffs = spec[1].pop("divergences")
     report = {
         "draft": os.path.realpath(best), "ranking": ranking, "trainer_vs_vllm": evaluation.reconcile(best, spec[1]),

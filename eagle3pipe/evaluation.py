@@ -124,16 +124,17 @@ def drafts_to_measure(draft, fp, text_cfg):
 
 
 def rank(found, run):
-    """With several checkpoints: each one's acceptance at batch size 1 on the same prompts (`run(path)` -> its
-    figures), best first. -> [{"name", "draft", "acceptance_length", "per_position", "trainer"}]."""
+    """Each checkpoint measured on the same prompts (`run(path)` -> its figures by batch size), best first by the
+    acceptance length at batch size 1. -> ([{"name", "draft", "acceptance_length", "per_position", "trainer"}],
+    the best one's figures)."""
     from .training import expected_acceptance
-    rows = []
+    rows, figures = [], {}
     for name, path in found:
-        got = run(os.path.abspath(path))[1]
-        rows.append({"name": name, "draft": os.path.realpath(path), "acceptance_length": got["acceptance_length"],
-                     "per_position": got["per_position"],
-                     "trainer": expected_acceptance(_val_metrics(path))})
-    return sorted(rows, key=lambda r: -(r["acceptance_length"] or 0))
+        figures[name] = got = run(os.path.abspath(path))
+        rows.append({"name": name, "draft": os.path.realpath(path), "acceptance_length": got[1]["acceptance_length"],
+                     "per_position": got[1]["per_position"], "trainer": expected_acceptance(_val_metrics(path))})
+    rows.sort(key=lambda r: -(r["acceptance_length"] or 0))
+    return rows, figures[rows[0]["name"]]
 
 
 def _val_metrics(path):

@@ -41,5 +41,5 @@ def test_report_ranks_a_stage04_folder_s_checkpoints(model_path, stages, trained
     assert "checkpoints by acceptance length through vLLM" in p.stdout and "trainer's estimate" in p.stdout
     from eagle3pipe import compute  # every engine computed in auto's dtype; what they printed is in engine.log
     assert rep["compute_dtype"] == compute.resolve("auto", on_gpu=False).dtype
-    assert (ev / "engine.log").read_text().count("non-default args") == 4  # the baseline, two ranked, the best
+    assert (ev / "engine.log").read_text().count("non-default args") == 3  # the baseline and each checkpoint
     assert "non-default args" not in p.stderr + p.stdout and "EngineCore" not in p.stderr + p.stdout

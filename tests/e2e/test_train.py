@@ -1,14 +1,11 @@
-"""Stage 04 through its command line on real extracted hidden states: cross-stage refusals before anything
-heavy, a short CPU training run with a falling loss into speculators' checkpoint layout (kills and resume:
-tests/reliability/test_stage04_faults.py), and (e2e) vLLM serving the checkpoint as an eagle3 draft with greedy output unchanged."""
+"""Stage 04 end to end on real extracted hidden states: a short CPU training run with a falling loss into
+speculators' checkpoint layout (refusals: tests/cli/test_train.py; kills and resume:
+tests/reliability/test_stage04_faults.py; vLLM serving it with greedy output unchanged: tests/slow/test_serve.py)."""
 import json
 import pathlib
 import re
-import subprocess
-import sys
 
-
-from conftest import REPO, losses
+from conftest import losses
 
 
 def test_training_lowers_the_loss_into_a_servable_checkpoint(trained, model_path):
@@ -42,35 +39,3 @@ def test_training_lowers_the_loss_into_a_servable_checkpoint(trained, model_path
                      p.stderr), p.stderr[-3000:]
     from eagle3pipe.engine import serve_command  # the command that works with the vLLM installed here
     assert f"serve it: {serve_command(model_path, str(out / 'last'), 3)}" in p.stdout, p.stdout[-600:]
-
-
-def test_vllm_serves_the_draft_and_greedy_output_is_unchanged(trained, model_path):
-    out, _ = trained
-    code = f"""
-import json, os, sys
-sys.path.insert(0, {REPO!r})
-from eagle3pipe.engine import cpu_vllm_env
-cpu_vllm_env()
-from vllm import LLM, SamplingParams
-prompts = [[{{"role": "user", "content": q}}] for q in ("What is the capital of France?", "Name three colors.")]
-sp = SamplingParams(max_tokens=24, temperature=0.0)
-def run(**kw):
-    # float32: bf16 verification of several positions at once rounds differently from one-token decoding,
-    # which can flip near-ties; the property under test is that the draft never changes the greedy choice
-    llm = LLM(model={model_path!r}, max_model_len=1024, enforce_eager=True, enable_prefix_caching=False,
-              disable_log_stats=False, dtype="float32", **kw)
-    outs = [llm.chat(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    m = {{x.name: getattr(x, "value", None) for x in llm.get_metrics()}}
-    del llm
-    return [list(o) for o in outs], m
-base, _ = run()
-spec, m = run(speculative_config={{"method": "eagle3", "model": {str(out / "last")!r}, "num_speculative_tokens": 3}},
-              )
-print("RESULT", json.dumps({{"same": base == spec, "drafts": m.get("vllm:spec_decode_num_drafts")}}))
-"""
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=900)
-    line = [l for l in p.stdout.splitlines() if l.startswith("RESULT")]
-    assert line, p.stderr[-4000:]
-    res = json.loads(line[0][7:])
-    assert res["same"] is True
-    assert res["drafts"] and res["drafts"] > 0

@@ -1,4 +1,4 @@
-"""The fault cases too slow for the default set: stage 02 killed at load, mid-batch and at the end; stage 04 killed
+"""The fault cases too slow for the default set: stage 02 killed at load, mid-batch, between batches and at the end; stage 04 killed
 with the old checkpoint deleted and the new one not yet in place, and stopped by SIGKILL or SIGTERM mid-training."""
 import json
 import re
@@ -13,7 +13,7 @@ from conftest import REPO, run_script, train_args
 from faults import stage02_killed_at, stage04_killed_in_save
 
 
-@pytest.mark.parametrize("point", ["load", "batch", "end"])
+@pytest.mark.parametrize("point", ["load", "batch", "between", "end"])
 def test_stage02_sigkill_then_rerun_completes(stages, model_path, tmp_path, point):
     stage02_killed_at(point, stages, model_path, tmp_path)
 
