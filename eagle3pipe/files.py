@@ -126,7 +126,8 @@ def take_output(flag, path, stage, identity, inputs=(), what="files", shard=None
             raise UsageError(f"{run_file}: expected a JSON object; use --overwrite or another folder")
         mine = old.get("identity", old) if old else None  # folders from before the run record carry it bare
         if mine is not None and mine != identity:
-            key = next((k for k in identity if not isinstance(mine, dict) or mine.get(k) != identity[k]), "identity")
+            keys = list(identity) + [k for k in (mine if isinstance(mine, dict) else {}) if k not in identity]
+            key = next((k for k in keys if not isinstance(mine, dict) or mine.get(k) != identity.get(k)), "identity")
             raise UsageError(f"{flag} {path}: holds {what} of another run ({key} differs); use --overwrite or "
                              f"another folder")
     if dry_run:

@@ -95,6 +95,12 @@ def train_args(model_path, d, out, *extra):
             "--log-every", "1", *extra]
 
 
+def online_args(model_path, d, out, *extra):
+    return ["04_train.py", "--online", "--model-path", model_path, "--prepared-data", str(d["prepared"]),
+            "--vocab-mapping", str(d["vocab"]), "--output-dir", str(out), "--total-seq-len", "1024", "--log-every",
+            "1", *extra]
+
+
 def losses(stderr):
     return [float(x) for x in re.findall(r" loss ([0-9.]+) acc", stderr)]
 
@@ -102,7 +108,7 @@ def losses(stderr):
 @pytest.fixture(scope="session")
 def trained(stages, model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt") / "draft"
-    p, _ = run_script(*train_args(model_path, stages, out, "--epochs", "6", "--lr", "3e-3"))
+    p, _ = run_script(*train_args(model_path, stages, out, "--epochs", "4", "--lr", "3e-3"))
     assert p.returncode == 0, p.stderr[-4000:]
     return out, p
 

@@ -3,13 +3,7 @@ import socket
 
 import pytest
 
-from conftest import assert_refused, run_script
-
-
-def online_args(model_path, d, out, *extra):
-    return ["04_train.py", "--online", "--model-path", model_path, "--prepared-data", str(d["prepared"]),
-            "--vocab-mapping", str(d["vocab"]), "--output-dir", str(out), "--total-seq-len", "1024", "--log-every",
-            "1", *extra]
+from conftest import assert_refused, online_args, run_script
 
 
 def closed_port():

@@ -1,10 +1,9 @@
 """Stage 02's data-parallel replicas on CPU: two `--shard` processes into one folder give the same files as one
 run, the replica that finishes last writes the manifest, `--verify` names a corrupt or missing file and the shard
-that owns it, an fp8 run trains, and scripts/extract.sh starts one replica per GPU group."""
+that owns it, and an fp8 run trains (scripts/extract.sh with two replicas: tests/slow/test_launcher.py)."""
 import json
 import os
 import subprocess
-import time
 
 from safetensors.torch import load_file
 import torch
@@ -75,24 +74,3 @@ def test_fp8_storage_halves_the_disk_and_trains(prep, hf_out, model_path, tmp_pa
     assert man["steps"] == 3 and man["speculators_config"]["hidden_states_backend"] == "eagle3pipe-checked"
     # --max-steps ends the run: no empty epochs, each with its own checkpoint and validation, after it
     assert len([n for n in os.listdir(tmp_path / "ck") if n.isdigit()]) <= 3
-
-
-def test_extract_sh_starts_one_replica_per_gpu_group(prep, model_path, tmp_path):
-    out = tmp_path / "hs"
-    env = dict(os.environ, REPLICAS="2", CUDA_VISIBLE_DEVICES="0,1", PYTHON=os.sys.executable)
-    p = subprocess.run(["bash", "scripts/extract.sh", "--backend", "hf", "--model-path", model_path,
-                        "--prepared-data", str(prep), "--output-dir", str(out), "--max-seq-len", "256"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert "replica 0/2 on GPUs 0" in p.stdout and "replica 1/2 on GPUs 1" in p.stdout, p.stdout
-    pids = [int((out / f"extract.shard-{k}.pid").read_text()) for k in range(2)]
-    deadline = time.time() + 600
-    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.time() < deadline:
-        time.sleep(1)
-    assert json.load(open(out / "manifest.json"))["complete"]
-    assert all((out / f".shard-{k}-of-2.json").exists() for k in range(2))
-    env["REPLICAS"] = "3"  # 3 replicas on 2 GPUs: refused before anything starts
-    p = subprocess.run(["bash", "scripts/extract.sh", "--backend", "hf", "--model-path", model_path,
-                        "--prepared-data", str(prep), "--output-dir", str(tmp_path / "x")],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "REPLICAS=3" in p.stderr and not (tmp_path / "x").exists()

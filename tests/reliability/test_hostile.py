@@ -122,12 +122,12 @@ def test_stage02_on_a_hostile_folder(model_path, stages, tmp_path):
 
 def test_stage04_on_a_hostile_folder(model_path, stages, trained, tmp_path):
     from conftest import train_args
-    argv = lambda out: train_args(model_path, stages, out, "--epochs", "6", "--lr", "3e-3")  # noqa: E731
+    argv = lambda out: train_args(model_path, stages, out, "--epochs", "4", "--lr", "3e-3")  # noqa: E731
     ckpt = tmp_path / "ckpt"
     shutil.copytree(trained[0], ckpt, symlinks=True)
     # a finished run: a rerun trains nothing and refuses nothing. One made name of each kind gets a link.
-    kinds = ("manifest.json", ".eagle3.lock", ".eagle3-owner.jsonl", "last", "logs", "logs/metrics.jsonl", "5",
-             "5/model.safetensors", ".bridge", "checkpoint_best")
+    kinds = ("manifest.json", ".eagle3.lock", ".eagle3-owner.jsonl", "last", "logs", "logs/metrics.jsonl", "3",
+             "3/model.safetensors", ".bridge", "checkpoint_best")
     hostile(argv, ckpt, tmp_path / "h04", pick=lambda n: n in kinds, overwrite=False)
     # a person's hard link to the stage's run.yaml: speculators rewrites it every run; the person's copy stays
     keep = tmp_path / "run_keep.yaml"
@@ -141,9 +141,9 @@ def test_stage04_on_a_hostile_folder(model_path, stages, trained, tmp_path):
     before = tree_sum(s)
     work = tmp_path / "next" / "work"
     shutil.copytree(ckpt, work, symlinks=True)
-    os.symlink(s / "dir", work / ".saving" / "6", target_is_directory=True)
-    p, _ = run_script(*train_args(model_path, stages, work, "--epochs", "7", "--lr", "3e-3"))
-    assert p.returncode != 0 and ".saving/6" in one_line_or_success(p, "link at .saving/6"), p.stderr[-2000:]
+    os.symlink(s / "dir", work / ".saving" / "4", target_is_directory=True)
+    p, _ = run_script(*train_args(model_path, stages, work, "--epochs", "5", "--lr", "3e-3"))
+    assert p.returncode != 0 and ".saving/4" in one_line_or_success(p, "link at .saving/4"), p.stderr[-2000:]
     assert tree_sum(s) == before
     # --overwrite with a person's notes in logs/ and in an epoch folder, which the stage would have to remake:
     # refused before anything is deleted, naming the note; every checkpoint and note stays
@@ -153,4 +153,4 @@ def test_stage04_on_a_hostile_folder(model_path, stages, trained, tmp_path):
     p, _ = run_script(*argv(ckpt), "--overwrite")
     line = one_line_or_success(p, "--overwrite with notes")
     assert p.returncode == 2 and "inside a folder this stage made" in line and "nothing was deleted" in line, line
-    assert tree_sum(ckpt) == before and (ckpt / "5" / "model.safetensors").exists()
+    assert tree_sum(ckpt) == before and (ckpt / "3" / "model.safetensors").exists()

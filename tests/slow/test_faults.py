@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import REPO, run_script, train_args
-from faults import stage02_killed_at, stage04_killed_in_save
+from faults import online_killed_and_resumed, stage02_killed_at, stage04_killed_in_save
 
 
 @pytest.mark.parametrize("point", ["load", "batch", "between", "end"])
@@ -47,3 +47,7 @@ def test_signal_during_training_then_resume(stages, model_path, tmp_path, sig):
     assert steps and 1 < steps[0] <= stopped_at + 1
     man = json.load(open(out / "manifest.json"))
     assert man["steps"] == int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
+
+
+def test_online_vllm_kill_resume_cache_and_skipped_sample(small, model_path, tmp_path):
+    online_killed_and_resumed("vllm", small, model_path, tmp_path)
