@@ -89,15 +89,15 @@ def children(pid):
     return found
 
 
-def online_killed_and_resumed(backend, small, model_path, tmp_path):
-    """An extraction engine (`backend`) on CPU, two epochs with a cache smaller than the data: SIGKILL after the first
-    mid-epoch checkpoint takes the engine and the loader workers with it; the same command resumes from that
-    checkpoint; a sample whose states come back non-finite is skipped and counted; the second epoch reads the cached
+def online_killed_and_resumed(backend, small, model_path, tmp_path, epochs=1):
+    """An extraction engine (`backend`) on CPU, `epochs` epochs with a cache smaller than the data: SIGKILL after the
+    first mid-epoch checkpoint takes the engine and the loader workers with it; the same command resumes from that
+    checkpoint; a sample whose states come back non-finite is skipped and counted; a second epoch reads the cached
     samples; nothing is left beyond the budget."""
     out = tmp_path / "draft"
     budget_gb = 0.01  # the 12 rows hold about 27 MB of states: a third fits
-    argv = online_args(model_path, small, out, "--backend", backend, "--epochs", "2", "--checkpoint-freq", "0.5",
-                       "--cache-gb", str(budget_gb))
+    argv = online_args(model_path, small, out, "--backend", backend, "--epochs", str(epochs), "--checkpoint-freq",
+                       "0.5", "--cache-gb", str(budget_gb))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "EAGLE3_INJECT_NAN_ROWS": "3"}
     err = open(tmp_path / "first.err", "w")
     proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, env=env)

@@ -50,4 +50,4 @@ def test_signal_during_training_then_resume(stages, model_path, tmp_path, sig):
 
 
 def test_online_vllm_kill_resume_cache_and_skipped_sample(small, model_path, tmp_path):
-    online_killed_and_resumed("vllm", small, model_path, tmp_path)
+    online_killed_and_resumed("vllm", small, model_path, tmp_path, epochs=2)

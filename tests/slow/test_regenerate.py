@@ -1,10 +1,15 @@
-"""Stage 01 --regenerate with sampling on CPU over real ShareGPT rows."""
+"""Stage 01 --regenerate through vLLM on CPU: resumed after a kill from the answers already generated, and with
+sampling over real ShareGPT rows. Not in the default set (each starts vLLM's engine two or three times)."""
 import json
+import os
+import signal
+import subprocess
+import sys
 
-from conftest import run_script
+from conftest import REPO, run_script
 
 
-# a regression run over 40 real conversations; e2e/test_regenerate.py's kill and resume keeps --regenerate in CI
+# a regression run over 40 real conversations
 def test_regenerate_samples_on_cpu_over_real_sharegpt(model_path, tmp_path):
     """Sampling (temperature > 0) on 40 real ShareGPT conversations: their long prompts are prefilled in chunks,
     and per-request seeds made vLLM's CPU engine die ("CPU Generator does not use offset"). Split ShareGPT parts
@@ -16,3 +21,50 @@ def test_regenerate_samples_on_cpu_over_real_sharegpt(model_path, tmp_path):
     m = json.load(open(out / "manifest.json"))["regenerated"]
     assert m["settings"]["temperature"] == 0.7 and m["turns_regenerated"] > 40 and m["opening_turns_dropped"] > 0
     assert len(open(out / "regenerated.jsonl").readlines()) == m["turns_regenerated"]
+
+
+def test_regenerate_resumes_after_a_kill(model_path, tokenizer, tmp_path):
+    data = tmp_path / "d.jsonl"
+    with open(data, "w") as f:
+        for k in range(4):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"Name a colour, please ({k})."},
+                {"role": "assistant", "content": f"ORIGINAL ANSWER {k}a"},
+                {"role": "user", "content": "And a fruit?"},
+                {"role": "assistant", "content": f"ORIGINAL ANSWER {k}b"}]}) + "\n")
+        # ShareGPT has conversations that open with the assistant: that turn answers nothing and is dropped
+        f.write(json.dumps({"messages": [
+            {"role": "assistant", "content": "ORIGINAL GREETING"},
+            {"role": "user", "content": "Name an animal."},
+            {"role": "assistant", "content": "ORIGINAL ANSWER 4a"}]}) + "\n")
+    out = tmp_path / "prep"
+    argv = ["01_prepare_dataset.py", "--model-path", model_path, "--dataset", str(data), "--output-dir", str(out),
+            "--max-seq-len", "256", "--regenerate", "--regen-max-tokens", "12", "--regen-batch-size", "2"]
+    # SIGKILL after the second vLLM call. Its own session: vLLM's engine processes outlive a SIGKILLed parent for a
+    # while, holding its output pipes; the test reaps the whole group
+    log = open(tmp_path / "first.log", "w")
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=log, stderr=log, start_new_session=True,
+                            env=dict(os.environ, EAGLE3_INJECT_KILL="regen:2"))
+    assert proc.wait(timeout=600) == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-2000:]
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    cache = out / ".regenerating.jsonl"
+    assert len(cache.read_text().splitlines()) == 4 and not (out / "manifest.json").exists()
+
+    p, _ = run_script(*argv)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "regenerated 5 assistant turns (4 from an earlier run)" in p.stderr, p.stderr
+    m = json.load(open(out / "manifest.json"))
+    assert m["regenerated"]["turns_regenerated"] == 5 and m["regenerated"]["turns_from_cache"] == 4
+    assert m["regenerated"]["opening_turns_dropped"] == 1
+    assert m["regenerated"]["settings"]["max_tokens"] == 12 and not cache.exists()
+    answers = [json.loads(l) for l in open(out / "regenerated.jsonl")]
+    assert sorted((a["id"], a["turn"]) for a in answers) == [(f"row{k}", t) for k in range(4) for t in (0, 1)] + [("row4", 0)]
+    for line in open(out / "tokenized_data.jsonl"):  # the loss covers the verifier's answers, not the originals
+        r = json.loads(line)
+        trained = tokenizer.decode([t for t, m in zip(r["input_ids"], r["loss_mask"]) if m])
+        assert "ORIGINAL" not in trained and len(trained.strip()) > 0
+        ours = [a["text"] for a in answers if a["id"] == r["id"]]
+        assert all(a.strip()[:8] in trained for a in ours if a.strip())
