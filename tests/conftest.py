@@ -8,7 +8,8 @@ Tiers are folders, and each test is marked with its folder's name (so `-m unit` 
   reliability/  faults injected into the real code paths, hostile folders, bad inputs
   slow/         benchmark-sized runs, not in the default set (bash scripts/test.sh -m slow)
 Stage 01 runs once per data shape: `stages` (24 rows of <= 512 tokens, with stages 02 and 03), `prep` (12 rows of
-<= 256, and `hf_out` its HF-extracted states), `small` (12 rows of <= 512, with stage 03)."""
+<= 256, and `hf_out` its HF-extracted states), `small` (12 rows of <= 512, with stage 03), `ds` (a random
+DeepSeek-V3 verifier, 8 rows of <= 256, HF-extracted)."""
 import importlib.util
 import json
 import os
@@ -214,4 +215,21 @@ def small(tmp_path_factory, model_path):
                   "--output-dir", str(d["vocab"])]):
         p, _ = run_script(*argv)
         assert p.returncode == 0, p.stderr
+    return d
+
+
+@pytest.fixture(scope="session")
+def ds(tmp_path_factory, model_path):
+    """Kimi-K2.5's class, small: a random DeepSeek-V3 verifier (tests/verifiers.py), stage 01 on 8 rows and the HF
+    backend's states."""
+    from verifiers import deepseek_v3
+    root = tmp_path_factory.mktemp("dsv3")
+    model = deepseek_v3(str(root / "verifier"), model_path)
+    d = {"root": root, "model": model, "prep": root / "prep", "hf": root / "hs_hf"}
+    for argv in (["01_prepare_dataset.py", "--model-path", model, "--num-samples", "8", "--max-seq-len", "256",
+                  "--output-dir", str(d["prep"])],
+                 ["02_extract_hidden_states.py", "--backend", "hf", "--model-path", model, "--prepared-data",
+                  str(d["prep"]), "--output-dir", str(d["hf"]), "--max-seq-len", "256"]):
+        p, _ = run_script(*argv)
+        assert p.returncode == 0, p.stderr[-3000:]
     return d
