@@ -28,6 +28,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 
 from .errors import RunError, UsageError, oneline
 
@@ -382,8 +383,14 @@ def install(src, path):
     record(path)
 
 
-def check_replaceable(path):
+def check_replaceable(path, wait=0.5):
+    """Refuse to replace what is at `path` unless it is the stage's. Another process of the stage (a --shard
+    replica) renames its file into place and records it a moment later: a file not in the record yet is looked at
+    again for up to `wait` seconds before it counts as someone else's."""
     led, rel = _ledger_of(path)
+    deadline = time.time() + wait
+    while led is not None and os.path.lexists(path) and not led.owns(rel) and time.time() < deadline:
+        time.sleep(0.05)
     if led is not None and os.path.lexists(path) and not led.owns(rel):
         raise RunError(f"{quote(path)}: appeared during the run and is not this stage's; it is left alone: move it "
                        f"away and rerun")
