@@ -21,7 +21,8 @@ def test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached(stages, model_path, t
     out = tmp_path / "draft"
     argv = train_args(model_path, stages, out, "--epochs", "2", "--total-seq-len", "512")
     err = open(tmp_path / "first.err", "w")
-    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # each step line as it happens
     deadline, target = time.time() + 300, None
     while time.time() < deadline and proc.poll() is None:
         steps = re.findall(r"step (\d+)/(\d+)", (tmp_path / "first.err").read_text())

@@ -1,6 +1,7 @@
 """The fault cases too slow for the default set: stage 02 killed at load, mid-batch, between batches and at the end; stage 04 killed
 with the old checkpoint deleted and the new one not yet in place, and stopped by SIGKILL or SIGTERM mid-training."""
 import json
+import os
 import re
 import signal
 import subprocess
@@ -29,7 +30,8 @@ def test_signal_during_training_then_resume(stages, model_path, tmp_path, sig):
     out = tmp_path / "draft"
     argv = train_args(model_path, stages, out, "--epochs", "3", "--checkpoint-freq", "0.5")
     err = open(tmp_path / "first.err", "w")  # a file, not a pipe: a full pipe would stall the child
-    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # each step line as it happens
     deadline = time.time() + 300
     while time.time() < deadline and not (out / "last").exists():
         time.sleep(0.2)
