@@ -736,5 +736,5 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None):
     return {"steps": t.global_step if t else 0, "steps_this_run": (t.global_step - holder.get("start_step", 0)) if t else 0,
             "checkpoint_last": real("last"),
             "checkpoint_best": real("checkpoint_best"), "best_val_loss": getattr(t, "best_val_loss", None),
-            "best_expected_acceptance": (best_acceptance(path) if path and best_acceptance(path) > 0 else None),
+            "best_expected_acceptance": max(best_acceptance(path), 0) or None if path else None,
             "data_wait_fraction": dense.wait_fraction}
