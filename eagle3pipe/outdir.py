@@ -713,15 +713,16 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
     led = Ledger.load(real) or Ledger(real, stage, {})
     if not shard:
         led.write_new(stage)  # compacted; replicas share the record and only append
-    elif not os.path.lexists(os.path.join(real, LEDGER)):  # made whole, by whichever replica comes first
-        tmp, fd = _exclusive_temp(os.path.join(real, LEDGER))
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"stage": stage, "version": 2}) + "\n")
-        try:
-            os.link(tmp, os.path.join(real, LEDGER))  # fails if another replica's record is there already
-        except FileExistsError:
-            pass
-        os.unlink(tmp)
+    else:  # replicas share one record, made whole by whichever comes first, then read by each (its offset with it)
+        if not os.path.lexists(os.path.join(real, LEDGER)):
+            tmp, fd = _exclusive_temp(os.path.join(real, LEDGER))
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"stage": stage, "version": 2}) + "\n")
+            try:
+                os.link(tmp, os.path.join(real, LEDGER))  # fails if another replica's record is there already
+            except FileExistsError:
+                pass
+            os.unlink(tmp)
         led = Ledger.load(real)
     _ledgers[real] = led
     for rel, ident in sorted(led.entries.items()):  # a dead writer's temporary files (or names it never made)

@@ -589,3 +589,24 @@ def test_checkpoint_best_follows_the_expected_acceptance_not_the_loss(tmp_path):
     assert os.readlink(d / "checkpoint_best") == "0" and not (d / "2" / "val_metrics.json").exists()
     t.maybe_update_best(1, {**epochs[1], "full_acc_0_epoch": 0.6})  # now epoch 1 accepts more: it becomes best
     assert os.readlink(d / "checkpoint_best") == "1"
+
+
+def test_a_replica_that_found_no_record_reads_the_one_another_replica_made(tmp_path, monkeypatch):
+    """--shard replicas start together: one may look for the shared record just before the other makes it."""
+    import subprocess
+    import sys
+    d = tmp_path / "out"
+    d.mkdir()
+    other = ("import sys; from eagle3pipe import outdir, files; outdir.claim('--output-dir', sys.argv[1], 'extract', "
+             "shard=(1, 2)); files.write_json(sys.argv[1] + '/b.json', {'x': 1})")
+    load = outdir.Ledger.load
+
+    def late(root):  # the fault: this replica's look comes before the other's record, its check after it
+        if sys._getframe(1).f_code.co_name == "claim" and not (d / outdir.LEDGER).exists():
+            subprocess.run([sys.executable, "-c", other, str(d)], cwd=REPO, check=True)
+            return None
+        return load(root)
+    monkeypatch.setattr(outdir.Ledger, "load", late)
+    _claim(d, "extract", shard=(0, 2))
+    monkeypatch.undo()
+    assert outdir.owned(str(d / "b.json"))  # the other replica's file: installing over it is not a stranger's
