@@ -3,8 +3,9 @@
 Usage:
     python 05_evaluate.py --config configs/smollm2-135m.yaml --draft data/checkpoints/last
     python 05_evaluate.py --model-path M --draft D --prompts held_out.jsonl --num-prompts 100 --batch-sizes 1,8
+    python 05_evaluate.py --config C --draft runA/checkpoint_best runB/checkpoint_best   # ranked on the same prompts
 
-Inputs:  --model-path (verifier), --draft (a stage 04 checkpoint, or a stage 04 folder: each of its checkpoints is
+Inputs:  --model-path (verifier), --draft (stage 04 checkpoints, or stage 04 folders: each of their checkpoints is
          measured on the same prompts, ranked by acceptance, the best reported), --prompts (`sharegpt` by default: the
          conversations after the range stage 01 used, so never training data; or a .jsonl/.json/.parquet file or
          a hub dataset of chats: each prompt is the first user turn with any system turn before it).
@@ -25,9 +26,9 @@ ENGINE_LOG = "engine.log"
 def parse_args(argv=None):
     p = cli.Parser(description="Stage 05: acceptance length and speed-up of the draft through vLLM.")
     p.add_argument("--model-path", help="verifier: HF model folder or hub id")
-    p.add_argument("--draft", default="data/checkpoints/last",
-                   help="a stage 04 checkpoint, or a stage 04 folder: every epoch's checkpoint is measured on the "
-                        "same prompts, ranked by acceptance, and the best reported")
+    p.add_argument("--draft", nargs="+", default=["data/checkpoints/last"],
+                   help="stage 04 checkpoints, or stage 04 folders (each epoch's checkpoint): all are measured on "
+                        "the same prompts, ranked by acceptance, and the best reported")
     p.add_argument("--prompts", default="sharegpt", help="'sharegpt' (held out after stage 01's range), a chat "
                    "file or folder, or a hub dataset")
     p.add_argument("--prepared-data", default="data/prepared", help="stage 01 folder (how many records to skip)")
@@ -54,9 +55,10 @@ def main():
         raise cli.UsageError(f"--model-path {args.model_path}: cannot evaluate an eagle3 draft here: {blocker}; run "
                              f"stage 05 on a GPU machine")
     conversations.check_dataset(args.prompts, "--prompts")
-    run = args.draft if len(drafts) > 1 else os.path.dirname(os.path.realpath(args.draft))  # nothing goes inside it
-    inputs = [("--model-path", args.model_path), ("--prompts", args.prompts), ("--prepared-data", args.prepared_data),
-              ("--draft", run if files.read_manifest(run) is not None else args.draft)]
+    inputs = [("--model-path", args.model_path), ("--prompts", args.prompts), ("--prepared-data", args.prepared_data)]
+    for d in args.draft:  # nothing goes inside a draft's stage 04 folder
+        run = os.path.dirname(os.path.realpath(d)) if os.path.isfile(os.path.join(d, "config.json")) else d
+        inputs.append(("--draft", run if files.read_manifest(run) is not None else d))
     outdir.check("--output-dir", args.output_dir, "evaluate", inputs)
     skip, unknown = evaluation.held_out_skip(args.prompts, args.prepared_data)  # never evaluate on training data
     train_metrics, cut = evaluation.read_train_metrics(drafts[0][1])

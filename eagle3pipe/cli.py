@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import sys
+import typing
 
 from .errors import RunError, UsageError, oneline  # noqa: F401 (the scripts' and tests' names for them)
 
@@ -238,13 +239,19 @@ def load_config(path, section):
     keys = {s: config_keys(s) for s in STAGES}
     anywhere = {k: v for s in STAGES for k, v in keys[s].items()}
     out = {}
-    for key, value in data.items():
+
+    def one_or_list(value, allowed, key):  # a list-of-paths key (evaluate.draft) also takes one path
+        hint = (allowed.get(key) or (None, None))[1]
+        return [value] if isinstance(value, str) and typing.get_args(hint) == (str,) else value
+    for key, value in list(data.items()):
         if key in STAGES:
             if not isinstance(value, dict):
                 raise UsageError(f"--config {path}: section '{key}' must be a mapping")
-            for k, v in value.items():
-                _check_key(path, k, v, keys[key], f"{key}.", kind)
+            for k, v in list(value.items()):
+                value[k] = one_or_list(v, keys[key], k)
+                _check_key(path, k, value[k], keys[key], f"{key}.", kind)
             continue
+        data[key] = value = one_or_list(value, anywhere, key)
         _check_key(path, key, value, anywhere, "", kind)
         if key in keys[section] and value is not None:
             out[keys[section][key][0]] = value

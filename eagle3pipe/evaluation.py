@@ -108,11 +108,25 @@ def serving_mismatches(cfg, text_cfg, man):
     return hard, soft
 
 
-def drafts_to_measure(draft, fp, text_cfg):
-    """Every checkpoint `--draft` names (one, or each epoch of a stage 04 folder), checked before any engine loads:
-    an eagle3 checkpoint for this verifier, whose config matches the verifier and the run that trained it.
+def run_name(draft):
+    """What a draft is called among others: its stage 04 folder's name (a checkpoint's parent, or the folder given)."""
+    real = os.path.realpath(draft)
+    return os.path.basename(os.path.dirname(real) if os.path.isfile(os.path.join(real, "config.json")) else real)
+
+
+def drafts_to_measure(drafts, fp, text_cfg):
+    """Every checkpoint the `--draft` paths name (each one checkpoint, or each epoch of a stage 04 folder), checked
+    before any engine loads: an eagle3 checkpoint for this verifier, whose config matches the verifier and the run
+    that trained it. With several paths each name is prefixed by its run's folder name ('<run>/<epoch>').
     -> ([(name, path)], [warnings])."""
-    found, warnings = candidates(draft), []
+    found, warnings = [], []
+    for draft in drafts:
+        found += [(name if len(drafts) == 1 else f"{run_name(draft)}/{name}", path) for name, path in candidates(draft)]
+    seen = {}
+    for name, path in found:
+        if os.path.realpath(path) in seen.values() or name in seen:
+            raise UsageError(f"--draft {path}: named twice (as {name}); give each checkpoint once")
+        seen[name] = os.path.realpath(path)
     for name, path in found:
         cfg = check_draft(path, fp)
         hard, soft = serving_mismatches(cfg, text_cfg, train_manifest(path))

@@ -58,7 +58,7 @@ def kind(hint):
     if origin is typing.Union:
         return kind(next(a for a in inner if a is not type(None)))
     if origin in (list, tuple):
-        return "a list of integers"
+        return "a list of " + {int: "integers", str: "paths"}[inner[0]]
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[hint]
 
 
@@ -77,10 +77,11 @@ def _check_rules(name, value, meta):
             raise UsageError(f"{flag} {value}: must be less than {meta['lt']}")
     if "choices" in meta and value not in meta["choices"]:
         raise UsageError(f"{flag} {value!r}: choose one of {', '.join(meta['choices'])}")
-    if meta.get("path") and not value.strip():
-        raise UsageError(f"{flag}: empty path")
-    if meta.get("path") and "\0" in value:
-        raise UsageError(f"{flag} {value!r}: a path cannot hold a NUL byte")
+    for v in (value if isinstance(value, (list, tuple)) else [value]) if meta.get("path") else []:
+        if not v.strip():
+            raise UsageError(f"{flag}: empty path")
+        if "\0" in v:
+            raise UsageError(f"{flag} {v!r}: a path cannot hold a NUL byte")
 
 
 class Record:
@@ -260,7 +261,7 @@ class Train(Record):
 @dataclass(frozen=True)
 class Evaluate(Record):
     model_path: str = rule(path=True)
-    draft: str = rule(path=True)
+    draft: list[str] = rule(path=True)
     prompts: str = rule(path=True)
     prepared_data: str = rule(path=True)
     num_prompts: int = rule(ge=1)
@@ -275,6 +276,8 @@ class Evaluate(Record):
     def check(self):
         if not self.batch_sizes:
             raise UsageError("--batch-sizes: give at least one size, e.g. 1,8")
+        if not self.draft:
+            raise UsageError("--draft: give at least one checkpoint or stage 04 folder")
 
 
 RECORDS = {"prepare": Prepare, "extract": Extract, "vocab": Vocab, "train": Train, "evaluate": Evaluate}

@@ -29,6 +29,7 @@ def test_refusals(model_path, stages, trained, tmp_path):
          ["is inside the input --prepared-data"]),
         # a --prepared-data that is not stage 01's cannot say which prompts were trained on: refused, not guessed
         (["--prepared-data", str(stages["hs"])], ["--prepared-data", "is the output of stage 'extract'"]),
+        (["--draft", str(out / "last"), str(out / "last")], ["named twice"]),
     ]
     for extra, needles in cases:
         p, secs = run_script("05_evaluate.py", "--model-path", model_path, "--draft", str(out / "last"),
@@ -89,3 +90,18 @@ def test_a_training_log_cut_short_is_named_not_fatal(trained, tmp_path):
         f.write('{"train": {"loss": ')
     records, warning = evaluation.read_train_metrics(str(copy / "last"))
     assert records == whole and "metrics.jsonl: 1 lines are not JSON records" in warning
+
+
+def test_several_drafts_are_named_by_their_run(model_path, trained, tmp_path):
+    """--draft A B: every checkpoint of both, each named '<run folder>/<epoch>', so the ranking tells them apart."""
+    import os
+    import shutil
+    from eagle3pipe import evaluation, verifier
+    out, _ = trained
+    other = tmp_path / "other-run"
+    shutil.copytree(out, other, symlinks=True)
+    fp, tc = verifier.open_verifier(model_path, False)
+    found, _ = evaluation.drafts_to_measure([str(out / "last"), str(other)], fp, tc)
+    last = os.path.basename(os.path.realpath(out / "last"))
+    epochs = sorted(n for n in os.listdir(other) if n.isdigit())
+    assert [n for n, _ in found] == [f"{out.name}/{last}"] + [f"other-run/{e}" for e in epochs]

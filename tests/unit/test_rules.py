@@ -124,7 +124,7 @@ def test_outputs_that_are_inside_or_contain_an_input(tmp_path):
 def record(cls, **over):
     base = {f: None for f in cls.__dataclass_fields__}
     base.update(model_path="m", dataset="d", split="train", output_dir="o", prepared_data="p", hidden_states="h",
-                vocab_mapping="v", draft="x", prompts="sharegpt", backend="vllm", storage_dtype="bf16", device="auto", dtype="auto",
+                vocab_mapping="v", draft=["x"], prompts="sharegpt", backend="vllm", storage_dtype="bf16", device="auto", dtype="auto",
                 loss_implementation="auto", max_seq_len=16, seed=0, tp_size=1, batch_size=1, epochs=1, lr=1e-3,
                 total_seq_len=64, num_layers=1, ttt_steps=1, checkpoint_freq=1.0, log_every=1, val_ratio=0.1,
                 num_prompts=1, num_speculative_tokens=1, max_new_tokens=1, batch_sizes=[1], draft_vocab_size=8,
@@ -166,6 +166,9 @@ def record(cls, **over):
     (settings.Prepare, {"output_dir": ""}, "--output-dir: empty path"),
     (settings.Evaluate, {"batch_sizes": []}, "--batch-sizes"),
     (settings.Evaluate, {"batch_sizes": [1, 0]}, "--batch-sizes"),
+    (settings.Evaluate, {"draft": []}, "--draft: give at least one"),
+    (settings.Evaluate, {"draft": ["a", " "]}, "--draft: empty path"),
+    (settings.Evaluate, {"draft": "a"}, "--draft 'a': expected a list of paths"),
     (settings.Vocab, {"draft_vocab_size": "8"}, "expected an integer"),
 ])
 def test_records_refuse_bad_values(cls, over, needle):
