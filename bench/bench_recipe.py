@@ -126,7 +126,7 @@ def extract(w, backend):
                     f"{w}/prep_{v}", "--output-dir", f"{w}/hs_{v}", log=log), f"stage 02 ({v})", log)
 
 
-def train_one(w, arm, seed, flags, workers):
+def train_one(w, arm, seed, flags, workers, extra_flags=()):
     run, v = f"{arm}-s{seed}", data_of(arm)
     if os.path.isfile(f"{w}/ck/{run}/manifest.json"):
         return run, 0, "done earlier"
@@ -134,16 +134,16 @@ def train_one(w, arm, seed, flags, workers):
     log = f"{w}/logs/train_{run}.log"
     code = py("04_train.py", "--config", CFG, "--prepared-data", f"{w}/prep_{v}", "--hidden-states", f"{w}/hs_{v}",
               "--vocab-mapping", f"{w}/vocab_{v}", "--output-dir", f"{w}/ck/{run}", "--seed", str(seed), *extra,
-              *flags, log=log)
+              *extra_flags, *flags, log=log)
     return run, code, log
 
 
-def train(w, arms, seeds, parallel, workers, custom):
+def train(w, arms, seeds, parallel, workers, custom, extra_flags=()):
     table = {**ARMS, **custom}
     jobs = [(a, s, table[a]) for s in seeds for a in arms]
     os.makedirs(f"{w}/ck", exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-        for run, code, log in pool.map(lambda j: train_one(w, *j, workers), jobs):
+        for run, code, log in pool.map(lambda j: train_one(w, *j, workers, extra_flags), jobs):
             print(f"{run}: {'ok' if code == 0 else f'FAILED ({code}), see {log}'}", flush=True)
 
 
@@ -285,6 +285,7 @@ def main():
     p.add_argument("--seeds", default="0")
     p.add_argument("--parallel", type=int, default=1, help="training runs at once (a GPU has room for several)")
     p.add_argument("--num-workers", type=int, default=None)
+    p.add_argument("--extra", default="", help="flags every training run gets (how, not what: e.g. the loss kernel)")
     p.add_argument("--runs", default="", help="comma list of <arm>-s<seed>")
     p.add_argument("--out", default="")
     p.add_argument("--src", default="")
@@ -304,7 +305,7 @@ def main():
     elif a.step == "extract":
         extract(w, a.backend)
     elif a.step == "train":
-        train(w, arms, seeds, a.parallel, a.num_workers, custom)
+        train(w, arms, seeds, a.parallel, a.num_workers, custom, a.extra.split())
     elif a.step == "screen":
         est = estimates(w)
         rows, band = table(arm_table(est, "best"))
