@@ -32,7 +32,7 @@ def test_every_lever_trains_and_stage05_ranks_the_checkpoints_through_vllm(model
 
     ev = tmp_path / "ev"
     p, _ = run_script("05_evaluate.py", "--model-path", model_path, "--draft", str(out), "--prepared-data",
-                      str(stages["prepared"]), "--num-prompts", "2", "--max-new-tokens", "24", "--batch-sizes", "1,2",
+                      str(stages["prepared"]), "--num-prompts", "2", "--max-new-tokens", "16", "--batch-sizes", "1",
                       "--output-dir", str(ev))
     assert p.returncode == 0, p.stderr[-4000:]
     rep = json.load(open(ev / "report.json"))
@@ -44,7 +44,7 @@ def test_every_lever_trains_and_stage05_ranks_the_checkpoints_through_vllm(model
     rec = rep["trainer_vs_vllm"]
     assert rec["trainer"] > 1 and rec["vllm"] == rep["speculative"]["1"]["acceptance_length"]
     assert len(rec["per_position"]) == 3
-    for b in ("1", "2"):
+    for b in ("1",):
         s = rep["speculative"][b]
         assert s["drafts"] > 0 and 1.0 <= s["acceptance_length"] <= 4.0
         assert len(s["per_position"]) == 3 and all(0 <= x <= 1 for x in s["per_position"])
