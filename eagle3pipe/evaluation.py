@@ -320,7 +320,8 @@ def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, *, dtype, lo
     from .engine import make_llm
     kw = {}
     if draft:
-        kw["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+        from .mla_draft import served_path
+        kw["speculative_config"] = {"method": "eagle3", "model": served_path(draft), "num_speculative_tokens": k}
     llm = make_llm(model_path, tp=tp, max_model_len=max_model_len, on_gpu=on_gpu, trust_remote_code=trust_remote_code,
                    dtype=dtype, log_path=log_path, enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=max(batch_sizes),
                    **kw)

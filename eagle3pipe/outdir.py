@@ -571,6 +571,17 @@ def symlink(target, path):
     install(tmp, path)
 
 
+def link_file(src, path):
+    """A hard link at `path` to the stage's file `src` (one copy on disk), replacing only the stage's own file there;
+    made under a temporary name and renamed into place."""
+    if not owned(src):
+        raise RunError(f"{quote(src)}: not this stage's file; it is left alone: move it away and rerun")
+    tmp = _temp_name(path)
+    _planned(tmp)
+    os.link(src, tmp, follow_symlinks=False)
+    install(tmp, path)
+
+
 def remove_spool_file(spool, path):
     """Delete a file an engine wrote into our spool (it is not in the record: another process made it), and its
     `.lock`; a path outside the spool is never touched. -> True if `path` was the engine's to hand back."""

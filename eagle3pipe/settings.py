@@ -179,7 +179,7 @@ class Train(Record):
     num_layers: int = rule(ge=1, le=32)
     ttt_steps: int = rule(ge=1)
     # the draft's recipe: speculators' own options, passed through (training.recipe)
-    draft_arch: str = rule(choices=("auto", "llama", "qwen3"))
+    draft_arch: str = rule(choices=("auto", "llama", "qwen3", "deepseek"))
     norm_before_fc: Optional[bool] = rule()  # None: on unless fc_norm (the two are exclusive)
     fc_norm: bool = rule()
     norm_output: bool = rule()

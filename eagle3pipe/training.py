@@ -220,10 +220,22 @@ def recipe(args, fp):
     arch = args.draft_arch
     if arch == "auto":
         arch = "qwen3" if str(fp.get("model_type") or "").startswith("qwen3") else "llama"
-    nbf = args.norm_before_fc if args.norm_before_fc is not None else not args.fc_norm
+    # the MLA draft's vLLM model has no norm before the FC layer (it has the per-state fc_norm)
+    nbf = args.norm_before_fc if args.norm_before_fc is not None else not args.fc_norm and arch != "deepseek"
     return {"draft_arch": arch, "norm_before_fc": nbf, "fc_norm": args.fc_norm,
             "norm_output": args.norm_output, "loss_fn": args.loss_fn, "ttt_step_loss_decay": args.ttt_step_loss_decay,
             "optimizer": args.optimizer, "scheduler_type": args.scheduler}
+
+
+def check_draft_arch(recipe_, text_cfg):
+    """--draft-arch deepseek needs an MLA verifier whose rope transformers and vLLM compute alike (mla_draft)."""
+    if recipe_["draft_arch"] != "deepseek":
+        return
+    from . import mla_draft
+    why = None if mla_draft.is_mla(text_cfg) else "the verifier has no MLA attention (no kv_lora_rank in its config)"
+    why = why or mla_draft.refusal(text_cfg)
+    if why:
+        raise UsageError(f"--draft-arch deepseek: {why}; use --draft-arch llama")
 
 
 def check_split(rows, val_ratio):
@@ -447,6 +459,8 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
                     files.write_json(str(staged / "training_state.json"),
                                      {"epoch": e, "local_step": k, "global_step": self.global_step})
                 outdir.record_tree(str(staged))  # complete: a kill from here on leaves a save the rerun publishes
+                from .mla_draft import write_served
+                write_served(str(staged))  # an MLA draft: vllm/, the config vLLM 0.32 reads, beside the same weights
             if saved:
                 from . import faults
                 faults.kill_point("save")  # a reliability test: die with the save on disk but not in place
@@ -581,12 +595,12 @@ def resume_state(out):
     return said
 
 
-def print_serve_command(args, out, text_cfg, on_cpu):
+def print_serve_command(args, out, text_cfg, on_cpu, arch="llama"):
     """The checkpoint, and the command that serves it with the vLLM installed here (or why it cannot here)."""
     from .engine import eagle3_blocker, serve_command
     last = os.path.join(out, "last")
     log.info(f"checkpoint: {last} -> {os.path.realpath(last)}")
-    blocker = eagle3_blocker(text_cfg, not on_cpu)
+    blocker = eagle3_blocker(text_cfg, not on_cpu, mla_draft=arch == "deepseek")
     where = f" (on a GPU machine: {blocker})" if blocker else ""
     elsewhere = bool(blocker) or not on_cpu  # a GPU machine serves with vLLM's GPU build, installed here or not
     print(f"serve it{where}: {serve_command(args.model_path, last, args.ttt_steps, elsewhere)}")
@@ -604,6 +618,17 @@ def prepare_output(args, identity, inputs, rank):
     if said:
         log.info(said)
     return out, previous
+
+
+DRAFT_LAYER = "draft_layer_config.json"  # an MLA draft's decoder-layer config, in the output folder
+
+
+def write_draft_layer(out, recipe_, text_cfg, num_layers):
+    """Rank 0, before the data bridge the other ranks wait for: the MLA draft's layer config speculators builds it
+    from (mla_draft.layer_config)."""
+    if recipe_["draft_arch"] == "deepseek":
+        from . import mla_draft
+        files.write_json(os.path.join(out, DRAFT_LAYER), mla_draft.layer_config(text_cfg, num_layers))
 
 
 def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16", engine_url=None, dtype="bfloat16",
@@ -640,6 +665,8 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16
     if on_cpu:  # no Triton driver, no flex attention: torch's sdpa
         flat.update(draft_attn_impl="sdpa")
     flat.update(recipe_ or DEFAULT_RECIPE)
+    if flat["draft_arch"] == "deepseek":  # speculators' public draft_config: the MLA layer's (write_draft_layer)
+        flat.update(draft_config=os.path.join(os.path.abspath(args.output_dir), DRAFT_LAYER), draft_arch=None)
     flat["loss_implementation"] = choose_loss(args.loss_implementation, on_cpu, draft_vocab, args.ttt_steps,
                                               flat["loss_fn"])
     return TrainConfig.from_flat(flat)
@@ -727,7 +754,8 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None):
             stack.enter_context(adapters.cpu_without_accelerator())
         if loaders is not None:
             stack.enter_context(loaders)
-        for ctx in (adapters.muon_in_float32(dtype), adapters.recorded_artifacts(type(cfg)), acknowledged_signals()):
+        for ctx in (adapters.muon_in_float32(dtype), adapters.recorded_artifacts(type(cfg)), adapters.mla_draft_layer(),
+                    acknowledged_signals()):
             stack.enter_context(ctx)
         scli.main(cfg)
     t = holder.get("trainer")

@@ -1,0 +1,74 @@
+"""The MLA draft's pieces without a model file: its layer config from a verifier's, the config vLLM serves, the
+refusals, and its layer registered in speculators for a block only."""
+import pytest
+
+from eagle3pipe import adapters, mla_draft
+from eagle3pipe.errors import UsageError
+
+KIMI = {"model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128, "v_head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+        "rope_theta": 50000.0, "vocab_size": 163840, "n_routed_experts": 384, "first_k_dense_replace": 1,
+        "rope_scaling": {"type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+                         "beta_slow": 1, "original_max_position_embeddings": 4096},
+        "quantization_config": {"quant_method": "compressed-tensors"}, "index_topk": 2048}
+
+
+def test_the_layer_config_takes_the_verifier_s_attention_and_nothing_it_must_not():
+    cfg = mla_draft.layer_config(KIMI, 1)
+    assert cfg["model_type"] == "deepseek_v3" and cfg["num_hidden_layers"] == 1
+    assert (cfg["kv_lora_rank"], cfg["q_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"],
+            cfg["v_head_dim"]) == (512, 1536, 64, 128, 128)
+    assert cfg["num_key_value_heads"] == cfg["num_attention_heads"] == 64
+    assert cfg["first_k_dense_replace"] == 1 and cfg["intermediate_size"] == 18432  # a dense MLP
+    assert cfg["rope_interleave"] is True and cfg["attention_bias"] is False
+    assert cfg["rope_parameters"] == {"rope_type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                      "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096,
+                                      "rope_theta": 50000.0}
+    for never in ("quantization_config", "index_topk", "n_routed_experts", "rope_scaling"):
+        assert never not in cfg
+    lite = {k: v for k, v in KIMI.items() if k != "q_lora_rank"}  # DeepSeek-V2-Lite: no q latent
+    assert mla_draft.layer_config(lite, 1)["q_lora_rank"] == 1536
+    from transformers import DeepseekV3Config
+    assert DeepseekV3Config(**cfg).head_dim == 64  # transformers builds it: the rope dimension
+
+
+def test_rope_settings_that_transformers_and_vllm_compute_apart_are_refused():
+    assert mla_draft.refusal(KIMI) is None
+    one = {**KIMI, "rope_scaling": {**KIMI["rope_scaling"], "mscale_all_dim": None}}
+    one["rope_scaling"].pop("mscale_all_dim")
+    assert "mscale" in mla_draft.refusal(one)
+    assert "attention_factor" in mla_draft.refusal({**KIMI, "rope_scaling": {**KIMI["rope_scaling"],
+                                                                              "attention_factor": 1.0}})
+    from eagle3pipe import training
+    with pytest.raises(UsageError, match="--draft-arch deepseek: the verifier has no MLA"):
+        training.check_draft_arch({"draft_arch": "deepseek"}, {"hidden_size": 576})
+    training.check_draft_arch({"draft_arch": "llama"}, {"hidden_size": 576})
+
+
+def test_the_served_config_is_vllm_s_native_mla_eagle3():
+    layer = mla_draft.layer_config(KIMI, 1)
+    ckpt = {"speculators_model_type": "eagle3", "transformer_layer_config": layer, "draft_vocab_size": 32000,
+            "eagle_aux_hidden_state_layer_ids": [2, 30, 58], "fc_norm": True, "norm_output": True,
+            "norm_before_residual": False, "target_hidden_size": None}
+    cfg = mla_draft.served_config(ckpt)
+    assert cfg["model_type"] == "deepseek_v2" and cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58] == cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert cfg["num_aux_hidden_states"] == 3 and cfg["draft_vocab_size"] == 32000
+    assert (cfg["fc_norm"], cfg["norm_output"], cfg["norm_before_residual"]) == (True, True, False)
+    assert "target_hidden_size" not in cfg and cfg["kv_lora_rank"] == 512
+
+
+def test_vllm_serves_the_mla_draft_without_the_norm_before_fc():
+    adapters.check_serves({"draft_arch": "deepseek", "norm_before_fc": False, "fc_norm": True, "norm_output": True})
+    with pytest.raises(UsageError, match="--norm-before-fc: vllm"):
+        adapters.check_serves({"draft_arch": "deepseek", "norm_before_fc": True})
+
+
+def test_the_mla_layer_is_speculators_for_the_block_only():
+    from speculators.models.eagle3 import model_definitions
+    assert "deepseek_v3" not in model_definitions.model_classes
+    with adapters.mla_draft_layer():
+        first = model_definitions.model_classes["deepseek_v3"].first_layer_class
+        assert first.__name__ == "DeepseekV3DecoderEagle3FirstLayer"
+    assert "deepseek_v3" not in model_definitions.model_classes
