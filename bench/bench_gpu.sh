@@ -2,18 +2,33 @@
 # The GPU benchmarks of docs/BENCHMARKS.md, on a lent H200 machine (bench/ and .gpu/ travel with the tree):
 #   bash bench/bench_gpu.sh extract ASSETS OUT   # bench_extract_gpu.py: stage 02 vs bare forward, fp8, 2 replicas
 #   bash bench/bench_gpu.sh train   ASSETS OUT   # bench_train.py: stage 04 vs speculators' train, DDP on all GPUs
+#   bash bench/bench_gpu.sh mla     ASSETS OUT   # bench_mla_draft_gpu.py: the MLA draft against the Llama-style one
 # ASSETS: tokenizer files + config.json of a small Llama, train.json (ShareGPT), *.whl for what the machine lacks.
 # WORK (default /tmp/w) is reused between the two when the machine is still the same one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHAT=$1; A=$(realpath "$2"); OUT=$3; W=${WORK:-/tmp/w}; PY=${PYTHON:-python3}
 mkdir -p "$OUT" "$W"
-if ls "$A"/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$A"/*.whl
+if ls "$A"/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site ]; then  # only what the machine lacks: its own versions stay
+  $PY - "$A" <<'EOF'
+import glob, importlib.metadata as md, subprocess, sys
+missing = []
+for w in sorted(glob.glob(sys.argv[1] + "/*.whl")):
+    try:
+        md.version(w.split("/")[-1].split("-")[0].replace("_", "-"))
+    except md.PackageNotFoundError:
+        missing.append(w)
+subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                "--no-cache-dir", "--target", "/tmp/site", *missing], check=True)
+EOF
 fi
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2; df -h "$W" | tail -1; nproc
+if [ "$WHAT" = mla ]; then
+  $PY -m bench.bench_mla_draft_gpu --assets "$A" --work "$W/mla" --out "$OUT" | tee "$OUT/mla.txt"
+  exit 0
+fi
 if [ "$WHAT" = extract ]; then
   $PY -m bench.bench_extract_gpu --assets "$A" --work "$W" --num-samples "${SAMPLES:-1000}" | tee "$OUT/extract.txt"
   exit 0

@@ -295,7 +295,7 @@ def main():
     w = os.path.abspath(a.work)
     os.makedirs(f"{w}/logs", exist_ok=True)
     custom = {k: v.split() for k, v in (c.split("=", 1) for c in a.custom)}
-    arms = list(ARMS) + list(custom) if a.arms == "all" else a.arms.split(",")
+    arms = [x for name in a.arms.split(",") for x in (list(ARMS) if name == "all" else [name])]
     if not os.path.isdir(f"{w}/prep_regen"):
         arms = [x for x in arms if data_of(x) == "orig"]
     seeds = [int(s) for s in a.seeds.split(",")]
