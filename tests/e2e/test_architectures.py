@@ -57,3 +57,40 @@ def test_wrapper_config_is_read_from_its_text_config(ds, tmp_path):
     from speculators.train.cli import create_transformer_layer_config
     cfg = create_transformer_layer_config(wrapper, 1, "llama", None, 0, [])
     assert cfg.hidden_size == 256 and cfg.num_attention_heads == 4 and cfg.vocab_size == 49152
+
+
+def test_the_mla_draft_trains_and_vllm_serves_it_beside_the_mla_verifier(ds):
+    """--draft-arch deepseek on the small DeepSeek-V3: an EAGLE-3 layer with the verifier's MLA attention, saved in
+    speculators' layout with a vllm/ copy (the same weights) that vLLM loads as Eagle3DeepseekV3ForCausalLM; on this
+    CPU the draft runs on the verifier's own MLA attention backend, so stage 05 measures it."""
+    import os
+    prep, vocab, ckpt = str(ds["prep"]), ds["root"] / "vocab_mla", ds["root"] / "ckpt_mla"
+    p, _ = run_script("03_build_vocab_mapping.py", "--prepared-data", prep, "--draft-vocab-size", "1024", "--output-dir",
+                      str(vocab))
+    assert p.returncode == 0, p.stderr[-2000:]
+    p, _ = run_script("04_train.py", "--model-path", ds["model"], "--prepared-data", prep, "--hidden-states",
+                      str(ds["hf"]), "--vocab-mapping", str(vocab), "--output-dir", str(ckpt), "--epochs", "1",
+                      "--total-seq-len", "512", "--draft-arch", "deepseek", "--fc-norm")
+    assert p.returncode == 0, p.stderr[-3000:]
+    man = json.load(open(ckpt / "manifest.json"))
+    assert man["recipe"]["draft_arch"] == "deepseek" and man["recipe"]["norm_before_fc"] is False
+    cfg = json.load(open(ckpt / "last" / "config.json"))
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "deepseek_v3" and (layer["kv_lora_rank"], layer["qk_rope_head_dim"]) == (512, 64)
+    served = json.load(open(ckpt / "last" / "vllm" / "config.json"))
+    assert served["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and served["draft_vocab_size"] == 1024
+    assert os.path.samefile(ckpt / "last" / "model.safetensors", ckpt / "last" / "vllm" / "model.safetensors")
+    from safetensors import safe_open
+    with safe_open(str(ckpt / "last" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"layers.0.self_attn.q_a_proj.weight", "layers.0.self_attn.kv_a_proj_with_mqa.weight", "d2t", "t2d",
+            "fc.weight", "layers.0.hidden_norm.weight", "layers.0.mlp.gate_proj.weight"} <= keys
+    with safe_open(str(ckpt / "last" / "model.safetensors"), "pt") as f:  # the first layer reads [embeds | hidden]
+        assert f.get_slice("layers.0.self_attn.kv_a_proj_with_mqa.weight").get_shape() == [576, 512]
+    assert str(ckpt / "last" / "vllm") in p.stdout, p.stdout[-1000:]  # the serve command gives vLLM the copy
+    out = ds["root"] / "eval_mla"
+    p, _ = run_script("05_evaluate.py", "--model-path", ds["model"], "--draft", str(ckpt / "last"), "--prepared-data",
+                      prep, "--output-dir", str(out), "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1")
+    assert p.returncode == 0, p.stderr[-4000:]
+    rep = json.load(open(out / "report.json"))
+    assert rep["speculative"]["1"]["drafts"] > 0 and len(rep["speculative"]["1"]["per_position"]) == 3
