@@ -1,7 +1,8 @@
 """Kimi-K2.5's architecture class end to end on CPU: a small random DeepSeek-V3 (MLA with DeepSeek's real widths, a
-mixture of experts with `noaux_tc` routing) through stages 01, 03, 04 and 05 (stage 02's vLLM backend on it: tests/slow/test_architectures.py), and the
-multimodal wrapper shape whose language
-model sits under `text_config`. Built inside the test from transformers' own config; the tokenizer is SmolLM2's."""
+mixture of experts with `noaux_tc` routing) through stages 01, 03, 04 and 05 with a Llama-style draft and with the MLA
+draft (stage 02's vLLM backend on it: tests/slow/test_architectures.py), and the multimodal wrapper shape whose
+language model sits under `text_config`. Built inside the test from transformers' own config; the tokenizer is
+SmolLM2's."""
 import json
 
 from conftest import assert_refused, loaded_nothing, run_script
@@ -12,16 +13,23 @@ def amx():
     return " amx_tile" in open("/proc/cpuinfo").read()
 
 
-def test_train_with_defaults_then_stage05_refuses_here_and_speculators_loads_the_draft(ds):
-    prep, vocab, ckpt = str(ds["prep"]), ds["root"] / "vocab", ds["root"] / "ckpt"
+def vocab_and_draft(ds, name, *extra):
+    """Stage 03 (1,024 tokens), then stage 04 with default settings but for the tiny data's step size, one epoch and
+    `extra`. -> (stage 04's process, its output folder)."""
+    prep, vocab, ckpt = str(ds["prep"]), ds["root"] / f"vocab_{name}", ds["root"] / f"ckpt_{name}"
     p, _ = run_script("03_build_vocab_mapping.py", "--prepared-data", prep, "--draft-vocab-size", "1024", "--output-dir",
                       str(vocab))
     assert p.returncode == 0, p.stderr[-2000:]
-    # default settings but for the tiny data's step size and one epoch
     p, _ = run_script("04_train.py", "--model-path", ds["model"], "--prepared-data", prep, "--hidden-states",
                       str(ds["hf"]), "--vocab-mapping", str(vocab), "--output-dir", str(ckpt), "--epochs", "1",
-                      "--total-seq-len", "512")
+                      "--total-seq-len", "512", *extra)
     assert p.returncode == 0, p.stderr[-3000:]
+    return p, ckpt
+
+
+def test_train_with_defaults_then_stage05_refuses_here_and_speculators_loads_the_draft(ds):
+    prep = str(ds["prep"])
+    p, ckpt = vocab_and_draft(ds, "llama")
     cfg = json.load(open(ckpt / "last" / "config.json"))
     assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cfg["transformer_layer_config"]["hidden_size"] == 256 and cfg["draft_vocab_size"] == 1024
@@ -64,14 +72,8 @@ def test_the_mla_draft_trains_and_vllm_serves_it_beside_the_mla_verifier(ds):
     speculators' layout with a vllm/ copy (the same weights) that vLLM loads as Eagle3DeepseekV3ForCausalLM; on this
     CPU the draft runs on the verifier's own MLA attention backend, so stage 05 measures it."""
     import os
-    prep, vocab, ckpt = str(ds["prep"]), ds["root"] / "vocab_mla", ds["root"] / "ckpt_mla"
-    p, _ = run_script("03_build_vocab_mapping.py", "--prepared-data", prep, "--draft-vocab-size", "1024", "--output-dir",
-                      str(vocab))
-    assert p.returncode == 0, p.stderr[-2000:]
-    p, _ = run_script("04_train.py", "--model-path", ds["model"], "--prepared-data", prep, "--hidden-states",
-                      str(ds["hf"]), "--vocab-mapping", str(vocab), "--output-dir", str(ckpt), "--epochs", "1",
-                      "--total-seq-len", "512", "--draft-arch", "deepseek", "--fc-norm")
-    assert p.returncode == 0, p.stderr[-3000:]
+    prep = str(ds["prep"])
+    p, ckpt = vocab_and_draft(ds, "mla", "--draft-arch", "deepseek", "--fc-norm")
     man = json.load(open(ckpt / "manifest.json"))
     assert man["recipe"]["draft_arch"] == "deepseek" and man["recipe"]["norm_before_fc"] is False
     cfg = json.load(open(ckpt / "last" / "config.json"))

@@ -1,5 +1,6 @@
 """The fault cases too slow for the default set: stage 02 killed at load, mid-batch, between batches and at the end; stage 04 killed
-with the old checkpoint deleted and the new one not yet in place, and stopped by SIGKILL or SIGTERM mid-training."""
+with the old checkpoint deleted and the new one not yet in place, and stopped by SIGKILL or SIGTERM mid-training;
+stage 04 --online with an HF or a vLLM engine killed and resumed."""
 import json
 import os
 import re
@@ -49,6 +50,10 @@ def test_signal_during_training_then_resume(stages, model_path, tmp_path, sig):
     assert steps and 1 < steps[0] <= stopped_at + 1
     man = json.load(open(out / "manifest.json"))
     assert man["steps"] == int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
+
+
+def test_online_hf_kill_resume_cache_and_skipped_sample(small, model_path, tmp_path):
+    online_killed_and_resumed("hf", small, model_path, tmp_path)
 
 
 def test_online_vllm_kill_resume_cache_and_skipped_sample(small, model_path, tmp_path):
