@@ -52,8 +52,8 @@ def convert(output_dir):
         return
     empty = os.path.isdir(output_dir) and not os.path.islink(output_dir) and not os.listdir(output_dir)
     if os.path.lexists(output_dir) and not os.path.isfile(stamp) and not empty:  # never replace what this did not make
-        fail(f"{output_dir} exists and is not a conversion of this script (no .converted stamp); move it "
-                 f"away or give another --output-dir")
+        fail(f"{output_dir} exists and is not a conversion of this script (no .converted stamp); move it away or "
+             f"give another --output-dir")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder, name = os.path.split(src)
@@ -84,8 +84,7 @@ def convert(output_dir):
         strangers = sorted(set(os.listdir(output_dir)) - set(os.listdir(tmp)))
         if strangers:
             shutil.rmtree(tmp)
-            fail(f"{output_dir} holds {strangers[0]!r}, which this conversion did not write; move it out "
-                     f"and rerun")
+            fail(f"{output_dir} holds {strangers[0]!r}, which this conversion did not write; move it out and rerun")
         shutil.rmtree(output_dir)
     os.rename(tmp, output_dir)
     print(f"default model: converted {src} -> {output_dir}; greedy answer: {answer.strip()!r}")
