@@ -22,6 +22,7 @@ import time
 import urllib.request
 
 from . import outdir
+from .adapters import VLLM_CPU_COMPILATION
 from .errors import RunError
 
 log = logging.getLogger("eagle3")
@@ -63,6 +64,7 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
     kv_transfer_config, ...). The engine's output goes to `log_path` (appended); a failure to start raises RunError."""
     if not on_gpu:
         cpu_vllm_env()
+        kw.setdefault("compilation_config", VLLM_CPU_COMPILATION)
     # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
@@ -251,7 +253,8 @@ def serve_command(model_path, draft, k, elsewhere=False):
     n = os.cpu_count() or 1
     return (f"VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-{n - 1} VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
             f"{shlex.quote(sys.executable)} -m {server_module()} --model "
-            f"{shlex.quote(model_path)} --enforce-eager --speculative-config {spec}")
+            f"{shlex.quote(model_path)} --enforce-eager --compilation-config "
+            f"{shlex.quote(json.dumps(VLLM_CPU_COMPILATION))} --speculative-config {spec}")
 
 
 def wait_for_engine_file(path, spool, timeout=600):
@@ -378,7 +381,7 @@ def engine_command(s, layer_ids, spool, port, max_len, tp, memory, on_gpu, dtype
                                                    "eagle_aux_hidden_state_layer_ids": layer_ids}}}),
            "--kv-transfer-config", json.dumps(connector_config(spool, on_gpu))]
     if not on_gpu:
-        cmd.append("--enforce-eager")
+        cmd += ["--enforce-eager", "--compilation-config", json.dumps(VLLM_CPU_COMPILATION)]
     return cmd + (["--trust-remote-code"] if s.trust_remote_code else [])
 
 

@@ -233,3 +233,24 @@ def ds(tmp_path_factory, model_path):
         p, _ = run_script(*argv)
         assert p.returncode == 0, p.stderr[-3000:]
     return d
+
+
+def vocab_and_draft(ds, name, *extra):
+    """Stage 03 (1,024 tokens), then stage 04 with default settings but for the tiny data's step size, one epoch and
+    `extra`. -> (stage 04's process, its output folder)."""
+    prep, vocab, ckpt = str(ds["prep"]), ds["root"] / f"vocab_{name}", ds["root"] / f"ckpt_{name}"
+    p, _ = run_script("03_build_vocab_mapping.py", "--prepared-data", prep, "--draft-vocab-size", "1024", "--output-dir",
+                      str(vocab))
+    assert p.returncode == 0, p.stderr[-2000:]
+    p, _ = run_script("04_train.py", "--model-path", ds["model"], "--prepared-data", prep, "--hidden-states",
+                      str(ds["hf"]), "--vocab-mapping", str(vocab), "--output-dir", str(ckpt), "--epochs", "1",
+                      "--total-seq-len", "512", *extra)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p, ckpt
+
+
+@pytest.fixture(scope="session")
+def ds_mla(ds):
+    """The MLA draft (`--draft-arch deepseek`, with fc_norm) trained one epoch on `ds` -> (stage 04's process, its
+    output folder)."""
+    return vocab_and_draft(ds, "mla", "--draft-arch", "deepseek", "--fc-norm")

@@ -5,26 +5,12 @@ language model sits under `text_config`. Built inside the test from transformers
 SmolLM2's."""
 import json
 
-from conftest import assert_refused, loaded_nothing, run_script
+from conftest import assert_refused, loaded_nothing, run_script, vocab_and_draft
 from verifiers import wrapped_text_config
 
 
 def amx():
     return " amx_tile" in open("/proc/cpuinfo").read()
-
-
-def vocab_and_draft(ds, name, *extra):
-    """Stage 03 (1,024 tokens), then stage 04 with default settings but for the tiny data's step size, one epoch and
-    `extra`. -> (stage 04's process, its output folder)."""
-    prep, vocab, ckpt = str(ds["prep"]), ds["root"] / f"vocab_{name}", ds["root"] / f"ckpt_{name}"
-    p, _ = run_script("03_build_vocab_mapping.py", "--prepared-data", prep, "--draft-vocab-size", "1024", "--output-dir",
-                      str(vocab))
-    assert p.returncode == 0, p.stderr[-2000:]
-    p, _ = run_script("04_train.py", "--model-path", ds["model"], "--prepared-data", prep, "--hidden-states",
-                      str(ds["hf"]), "--vocab-mapping", str(vocab), "--output-dir", str(ckpt), "--epochs", "1",
-                      "--total-seq-len", "512", *extra)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return p, ckpt
 
 
 def test_train_with_defaults_then_stage05_refuses_here_and_speculators_loads_the_draft(ds):
@@ -67,13 +53,13 @@ def test_wrapper_config_is_read_from_its_text_config(ds, tmp_path):
     assert cfg.hidden_size == 256 and cfg.num_attention_heads == 4 and cfg.vocab_size == 49152
 
 
-def test_the_mla_draft_trains_and_vllm_serves_it_beside_the_mla_verifier(ds):
+def test_the_mla_draft_trains_and_vllm_serves_it_beside_the_mla_verifier(ds, ds_mla):
     """--draft-arch deepseek on the small DeepSeek-V3: an EAGLE-3 layer with the verifier's MLA attention, saved in
     speculators' layout with a vllm/ copy (the same weights) that vLLM loads as Eagle3DeepseekV3ForCausalLM; on this
     CPU the draft runs on the verifier's own MLA attention backend, so stage 05 measures it."""
     import os
     prep = str(ds["prep"])
-    p, ckpt = vocab_and_draft(ds, "mla", "--draft-arch", "deepseek", "--fc-norm")
+    p, ckpt = ds_mla
     man = json.load(open(ckpt / "manifest.json"))
     assert man["recipe"]["draft_arch"] == "deepseek" and man["recipe"]["norm_before_fc"] is False
     cfg = json.load(open(ckpt / "last" / "config.json"))
