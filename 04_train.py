@@ -40,8 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps (= speculative tokens)")
     r = p.add_argument_group("the draft's recipe (speculators' own options; docs/STAGES.md, stage 04)")
     r.add_argument("--draft-arch", choices=["auto", "llama", "qwen3", "deepseek"], default="auto",
-                   help="the draft's decoder layer: auto = the verifier's family where speculators has it (qwen3 for "
-                        "Qwen3 verifiers), else llama; deepseek: MLA attention like a DeepSeek-V3/Kimi verifier's")
+                   help="the draft's decoder layer: auto = the verifier's family (deepseek for MLA verifiers such as "
+                        "DeepSeek-V3/Kimi, qwen3 for Qwen3), else llama; deepseek: MLA attention like the verifier's")
     r.add_argument("--norm-before-fc", action=argparse.BooleanOptionalAction, default=None,
                    help="one RMSNorm over the concatenated auxiliary states before the FC projection (default: on, "
                         "unless --fc-norm, which replaces it)")
@@ -100,7 +100,7 @@ def main():
     from eagle3pipe import online, training
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     adapters.check_private("speculators")  # the private names adapters.py relies on, before torch loads
-    recipe = training.recipe(args, fp)
+    recipe = training.recipe(args, fp, tc)
     training.check_draft_arch(recipe, tc)
     adapters.check_serves(recipe)  # an option the installed vLLM cannot serve: refused now, not after training
     verifier.check_draft_sources(args.model_path, tied=tc.get("tie_word_embeddings") is not False)

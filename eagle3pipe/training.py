@@ -214,11 +214,19 @@ DEFAULT_RECIPE = {"draft_arch": "llama", "norm_before_fc": True, "fc_norm": Fals
                   "loss_fn": "kl_div", "ttt_step_loss_decay": 1.0, "optimizer": "muon", "scheduler_type": "linear"}
 
 
-def recipe(args, fp):
+def recipe(args, fp, text_cfg):
     """The draft's recipe as speculators' TrainConfig takes it (`args`: settings.Train; `fp`: the verifier's
-    fingerprint). `--draft-arch auto`: the verifier's family where speculators has a draft layer for it."""
+    fingerprint; `text_cfg`: its language model's config). `--draft-arch auto`: the verifier's own family where there
+    is a draft layer for it: the MLA layer for an MLA verifier (DeepSeek-V3, Kimi) whose rope transformers and vLLM
+    compute alike, Qwen3's for Qwen3, else Llama's."""
+    from . import mla_draft
     arch = args.draft_arch
-    if arch == "auto":
+    if arch == "auto" and mla_draft.is_mla(text_cfg):
+        why = mla_draft.refusal(text_cfg)
+        arch = "llama" if why else "deepseek"
+        if why:
+            log.warning(f"--draft-arch auto: a Llama-style draft, not the MLA one: {why}")
+    elif arch == "auto":
         arch = "qwen3" if str(fp.get("model_type") or "").startswith("qwen3") else "llama"
     # the MLA draft's vLLM model has no norm before the FC layer (it has the per-state fc_norm)
     nbf = args.norm_before_fc if args.norm_before_fc is not None else not args.fc_norm and arch != "deepseek"

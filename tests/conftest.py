@@ -251,6 +251,6 @@ def vocab_and_draft(ds, name, *extra):
 
 @pytest.fixture(scope="session")
 def ds_mla(ds):
-    """The MLA draft (`--draft-arch deepseek`, with fc_norm) trained one epoch on `ds` -> (stage 04's process, its
-    output folder)."""
-    return vocab_and_draft(ds, "mla", "--draft-arch", "deepseek", "--fc-norm")
+    """The MLA draft (`--draft-arch auto` chooses it for an MLA verifier), with fc_norm, trained one epoch on `ds` ->
+    (stage 04's process, its output folder)."""
+    return vocab_and_draft(ds, "mla", "--fc-norm")

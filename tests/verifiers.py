@@ -18,10 +18,15 @@ def _tokenizer(src, out):
     return base
 
 
+# Kimi-K2.5's rope (its config's rope_scaling): YaRN, factor 64, mscale = mscale_all_dim = 1
+KIMI_ROPE = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+             "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096}
+
+
 def deepseek_v3(out, tokenizer_from, layers=8, hidden=256, experts=8, topk=2, heads=4, seed=0):
     """A random DeepSeek-V3: MLA with latent 512, rope 64, nope 128, v 128 (the CPU MLA kernels take only the real
-    head sizes), `experts` routed experts plus one shared, top-`topk` routing with `noaux_tc` (vLLM builds the router's
-    correction bias only then), the first layer dense."""
+    head sizes), Kimi-K2.5's rope (YaRN to 262,144 positions), `experts` routed experts plus one shared, top-`topk`
+    routing with `noaux_tc` (vLLM builds the router's correction bias only then), the first layer dense."""
     import torch
     from transformers import AutoModelForCausalLM, DeepseekV3Config
     os.makedirs(out, exist_ok=True)
@@ -31,8 +36,8 @@ def deepseek_v3(out, tokenizer_from, layers=8, hidden=256, experts=8, topk=2, he
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads, n_shared_experts=1,
         n_routed_experts=experts, num_experts_per_tok=topk, n_group=1, topk_group=1, kv_lora_rank=512,
         q_lora_rank=hidden, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=1,
-        max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=base.get("bos_token_id"),
-        eos_token_id=base.get("eos_token_id"), rope_interleave=True)
+        max_position_embeddings=262144, rope_parameters=KIMI_ROPE, tie_word_embeddings=False,
+        bos_token_id=base.get("bos_token_id"), eos_token_id=base.get("eos_token_id"), rope_interleave=True)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out)
@@ -58,3 +63,4 @@ def wrapped_text_config(out, inner):
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(wrapper, f, indent=2)
     return out
+

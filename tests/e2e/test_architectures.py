@@ -13,9 +13,9 @@ def amx():
     return " amx_tile" in open("/proc/cpuinfo").read()
 
 
-def test_train_with_defaults_then_stage05_refuses_here_and_speculators_loads_the_draft(ds):
+def test_a_llama_style_draft_trains_then_stage05_refuses_here_and_speculators_loads_it(ds):
     prep = str(ds["prep"])
-    p, ckpt = vocab_and_draft(ds, "llama")
+    p, ckpt = vocab_and_draft(ds, "llama", "--draft-arch", "llama")
     cfg = json.load(open(ckpt / "last" / "config.json"))
     assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cfg["transformer_layer_config"]["hidden_size"] == 256 and cfg["draft_vocab_size"] == 1024
@@ -54,7 +54,7 @@ def test_wrapper_config_is_read_from_its_text_config(ds, tmp_path):
 
 
 def test_the_mla_draft_trains_and_vllm_serves_it_beside_the_mla_verifier(ds, ds_mla):
-    """--draft-arch deepseek on the small DeepSeek-V3: an EAGLE-3 layer with the verifier's MLA attention, saved in
+    """--draft-arch auto (deepseek) on the small DeepSeek-V3: an EAGLE-3 layer with the verifier's MLA attention, saved in
     speculators' layout with a vllm/ copy (the same weights) that vLLM loads as Eagle3DeepseekV3ForCausalLM; on this
     CPU the draft runs on the verifier's own MLA attention backend, so stage 05 measures it."""
     import os

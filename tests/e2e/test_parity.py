@@ -2,8 +2,8 @@
 on the same verifier states and tokens (tests/parity.py records them inside vLLM), in float32, at every position of a
 prompt. A rope, norm, shift or weight-name mismatch between the two moves the logits by far more than float32's
 rounding; without this test it would only lower acceptance, quietly. Both draft layers: the Llama-style one (on
-SmolLM2, a Llama verifier) and the MLA one (on the small DeepSeek-V3, whose attention backend vLLM shares with it on a
-CPU)."""
+SmolLM2, a Llama verifier) and the MLA one (on the small DeepSeek-V3 with Kimi-K2.5's YaRN rope, whose attention
+backend vLLM shares with it on a CPU)."""
 import json
 import subprocess
 import sys
@@ -39,3 +39,4 @@ def test_llama_draft_forward_equals_vllms(trained, stages, model_path, tmp_path)
 def test_mla_draft_forward_equals_vllms(ds, ds_mla, tmp_path):
     _, ckpt = ds_mla
     parity(ds["model"], ckpt / "last", first_prompt(ds["prep"], 96), tmp_path)
+

@@ -46,6 +46,22 @@ def test_rope_settings_that_transformers_and_vllm_compute_apart_are_refused():
     training.check_draft_arch({"draft_arch": "llama"}, {"hidden_size": 576})
 
 
+def test_auto_picks_the_mla_draft_for_an_mla_verifier_whose_rope_both_sides_compute_alike():
+    from types import SimpleNamespace
+    from eagle3pipe import training
+    args = SimpleNamespace(draft_arch="auto", norm_before_fc=None, fc_norm=False, norm_output=True, loss_fn="kl_div",
+                           ttt_step_loss_decay=1.0, optimizer="muon", scheduler="linear")
+    r = training.recipe(args, {"model_type": "kimi_k25"}, KIMI)
+    assert (r["draft_arch"], r["norm_before_fc"]) == ("deepseek", False)  # vLLM's MLA draft has no norm before fc
+    apart = {**KIMI, "rope_scaling": {**KIMI["rope_scaling"], "attention_factor": 1.0}}
+    assert training.recipe(args, {"model_type": "deepseek_v3"}, apart)["draft_arch"] == "llama"
+    assert training.recipe(args, {"model_type": "qwen3"}, {"hidden_size": 64})["draft_arch"] == "qwen3"
+    r = training.recipe(args, {"model_type": "llama"}, {"hidden_size": 64})
+    assert (r["draft_arch"], r["norm_before_fc"]) == ("llama", True)
+    explicit = SimpleNamespace(**{**vars(args), "draft_arch": "llama"})
+    assert training.recipe(explicit, {"model_type": "kimi_k25"}, KIMI)["draft_arch"] == "llama"
+
+
 def test_the_served_config_is_vllm_s_native_mla_eagle3():
     layer = mla_draft.layer_config(KIMI, 1)
     ckpt = {"speculators_model_type": "eagle3", "transformer_layer_config": layer, "draft_vocab_size": 32000,
