@@ -3,6 +3,7 @@
 #   bash bench/bench_gpu.sh extract ASSETS OUT   # bench_extract_gpu.py: stage 02 vs bare forward, fp8, 2 replicas
 #   bash bench/bench_gpu.sh train   ASSETS OUT   # bench_train.py: stage 04 vs speculators' train, DDP on all GPUs
 #   bash bench/bench_gpu.sh mla     ASSETS OUT   # bench_mla_draft_gpu.py: the MLA draft against the Llama-style one
+#                                                  (ARMS=llama, then ARMS=deepseek: one arm a call)
 # ASSETS: tokenizer files + config.json of a small Llama, train.json (ShareGPT), *.whl for what the machine lacks.
 # WORK (default /tmp/w) is reused between the two when the machine is still the same one.
 set -euo pipefail
@@ -26,7 +27,7 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2; df -h "$W" | tail -1; nproc
 if [ "$WHAT" = mla ]; then
-  $PY -m bench.bench_mla_draft_gpu --assets "$A" --work "$W/mla" --out "$OUT" | tee "$OUT/mla.txt"
+  $PY -m bench.bench_mla_draft_gpu --assets "$A" --work "$W/mla" --out "$OUT" --arms "${ARMS:-llama,deepseek}" | tee "$OUT/mla.txt"
   exit 0
 fi
 if [ "$WHAT" = extract ]; then
