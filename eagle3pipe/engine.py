@@ -22,7 +22,7 @@ import time
 import urllib.request
 
 from . import outdir
-from .adapters import VLLM_CPU_COMPILATION
+from .adapters import VLLM_CPU_MLA_COMPILATION
 from .errors import RunError
 
 log = logging.getLogger("eagle3")
@@ -59,12 +59,21 @@ def cpu_vllm_env(env=None):
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
+def cpu_compilation(model_path):
+    """vLLM's compilation settings for `model_path` on a CPU beyond its own: the pure-torch rope for an MLA verifier,
+    whose query vllm-cpu's rotary kernel rotates wrongly (adapters.VLLM_CPU_MLA_COMPILATION); None for the others."""
+    from .mla_draft import is_mla
+    from .verifier import model_files, text_config
+    return VLLM_CPU_MLA_COMPILATION if is_mla(text_config(model_files(model_path)[0])) else None
+
+
 def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype, log_path, **kw):
     """A vllm.LLM for `model_path` computing in `dtype`; `kw` goes to vLLM as is (speculative_config,
     kv_transfer_config, ...). The engine's output goes to `log_path` (appended); a failure to start raises RunError."""
     if not on_gpu:
         cpu_vllm_env()
-        kw.setdefault("compilation_config", VLLM_CPU_COMPILATION)
+        if cpu_compilation(model_path):
+            kw.setdefault("compilation_config", cpu_compilation(model_path))
     # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
@@ -251,10 +260,11 @@ def serve_command(model_path, draft, k, elsewhere=False):
     if elsewhere:
         return f"vllm serve {shlex.quote(model_path)} --speculative-config {spec}"
     n = os.cpu_count() or 1
+    comp = cpu_compilation(model_path)
+    comp = f" --compilation-config {shlex.quote(json.dumps(comp))}" if comp else ""
     return (f"VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-{n - 1} VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
             f"{shlex.quote(sys.executable)} -m {server_module()} --model "
-            f"{shlex.quote(model_path)} --enforce-eager --compilation-config "
-            f"{shlex.quote(json.dumps(VLLM_CPU_COMPILATION))} --speculative-config {spec}")
+            f"{shlex.quote(model_path)} --enforce-eager{comp} --speculative-config {spec}")
 
 
 def wait_for_engine_file(path, spool, timeout=600):
@@ -381,7 +391,8 @@ def engine_command(s, layer_ids, spool, port, max_len, tp, memory, on_gpu, dtype
                                                    "eagle_aux_hidden_state_layer_ids": layer_ids}}}),
            "--kv-transfer-config", json.dumps(connector_config(spool, on_gpu))]
     if not on_gpu:
-        cmd += ["--enforce-eager", "--compilation-config", json.dumps(VLLM_CPU_COMPILATION)]
+        comp = cpu_compilation(s.model_path)
+        cmd += ["--enforce-eager"] + (["--compilation-config", json.dumps(comp)] if comp else [])
     return cmd + (["--trust-remote-code"] if s.trust_remote_code else [])
 
 

