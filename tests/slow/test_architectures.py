@@ -20,5 +20,6 @@ def test_vllm_backend_extracts_an_mla_moe_verifier_like_the_hf_backend(ds):
         assert torch.equal(a["token_ids"], b["token_ids"])
         ha, hb = a["hidden_states"].float(), b["hidden_states"].float()
         worst.append(max(((ha[:, k] - hb[:, k]).norm() / hb[:, k].norm()).item() for k in range(4)))
-    # bf16 through MLA and top-2 routing: DESIGN-level agreement is 1.4-3 % per stored layer
-    assert max(worst) < 0.06, worst
+    # bf16 through MLA and top-2 routing: the worst stored layer of a row agreed within 1.1-1.5 % (2026-12-02, with
+    # vLLM's pure-torch rope on this CPU: adapters.VLLM_CPU_MLA_COMPILATION)
+    assert max(worst) < 0.03, worst
