@@ -59,12 +59,18 @@ def cpu_vllm_env(env=None):
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
-def cpu_compilation(model_path):
-    """vLLM's compilation settings for `model_path` on a CPU beyond its own: the pure-torch rope for an MLA verifier,
-    whose query vllm-cpu's rotary kernel rotates wrongly (adapters.VLLM_CPU_MLA_COMPILATION); None for the others."""
+def cpu_compilation(text_cfg):
+    """vLLM's compilation settings on a CPU, beyond its own, for a verifier of this (text) config: the pure-torch rope
+    for an MLA verifier, whose query vllm-cpu's rotary kernel rotates wrongly (adapters.VLLM_CPU_MLA_COMPILATION);
+    None for the others."""
     from .mla_draft import is_mla
+    return VLLM_CPU_MLA_COMPILATION if is_mla(text_cfg) else None
+
+
+def verifier_compilation(model_path):
+    """cpu_compilation for the verifier at `model_path` (a folder or hub id the stage's preflight has checked)."""
     from .verifier import model_files, text_config
-    return VLLM_CPU_MLA_COMPILATION if is_mla(text_config(model_files(model_path)[0])) else None
+    return cpu_compilation(text_config(model_files(model_path)[0]))
 
 
 def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype, log_path, **kw):
@@ -72,8 +78,8 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
     kv_transfer_config, ...). The engine's output goes to `log_path` (appended); a failure to start raises RunError."""
     if not on_gpu:
         cpu_vllm_env()
-        if cpu_compilation(model_path):
-            kw.setdefault("compilation_config", cpu_compilation(model_path))
+        if verifier_compilation(model_path):
+            kw.setdefault("compilation_config", verifier_compilation(model_path))
     # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
@@ -243,7 +249,7 @@ def eagle3_blocker(text_cfg, on_gpu, mla_draft=False):
             "(multiples of 32): they share no block size and the engine would die at start (AMX CPUs and GPUs differ)")
 
 
-def serve_command(model_path, draft, k, elsewhere=False):
+def serve_command(model_path, draft, k, elsewhere=False, text_cfg=None):
     """The command that serves `draft` as an eagle3 speculator for `model_path` with the vLLM installed here (with
     `elsewhere`, with vLLM's GPU build). The vllm-cpu distribution's `vllm serve` fails on its own name (it looks up
     the package `vllm`): there the same OpenAI-compatible server starts from its module, with the CPU settings."""
@@ -260,7 +266,7 @@ def serve_command(model_path, draft, k, elsewhere=False):
     if elsewhere:
         return f"vllm serve {shlex.quote(model_path)} --speculative-config {spec}"
     n = os.cpu_count() or 1
-    comp = cpu_compilation(model_path)
+    comp = cpu_compilation(text_cfg or {})
     comp = f" --compilation-config {shlex.quote(json.dumps(comp))}" if comp else ""
     return (f"VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-{n - 1} VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
             f"{shlex.quote(sys.executable)} -m {server_module()} --model "
@@ -391,7 +397,7 @@ def engine_command(s, layer_ids, spool, port, max_len, tp, memory, on_gpu, dtype
                                                    "eagle_aux_hidden_state_layer_ids": layer_ids}}}),
            "--kv-transfer-config", json.dumps(connector_config(spool, on_gpu))]
     if not on_gpu:
-        comp = cpu_compilation(s.model_path)
+        comp = verifier_compilation(s.model_path)
         cmd += ["--enforce-eager"] + (["--compilation-config", json.dumps(comp)] if comp else [])
     return cmd + (["--trust-remote-code"] if s.trust_remote_code else [])
 

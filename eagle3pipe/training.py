@@ -611,7 +611,7 @@ def print_serve_command(args, out, text_cfg, on_cpu, arch="llama"):
     blocker = eagle3_blocker(text_cfg, not on_cpu, mla_draft=arch == "deepseek")
     where = f" (on a GPU machine: {blocker})" if blocker else ""
     elsewhere = bool(blocker) or not on_cpu  # a GPU machine serves with vLLM's GPU build, installed here or not
-    print(f"serve it{where}: {serve_command(args.model_path, last, args.ttt_steps, elsewhere)}")
+    print(f"serve it{where}: {serve_command(args.model_path, last, args.ttt_steps, elsewhere, text_cfg)}")
 
 
 def prepare_output(args, identity, inputs, rank):

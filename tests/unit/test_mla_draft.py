@@ -95,11 +95,11 @@ def test_an_mla_verifier_s_cpu_engine_runs_vllm_s_pure_torch_rope(tmp_path):
     engines, and the CPU serve command, switch it off; other verifiers keep it (right there, and faster)."""
     import json
     from eagle3pipe import engine
-    for name, cfg in (("kimi", {"text_config": KIMI, "model_type": "kimi_k25"}), ("llama", {"hidden_size": 64})):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
-    assert engine.cpu_compilation(str(tmp_path / "kimi")) == {"custom_ops": ["-rotary_embedding"]}
-    assert engine.cpu_compilation(str(tmp_path / "llama")) is None
+    (tmp_path / "kimi").mkdir()
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps({"text_config": KIMI, "model_type": "kimi_k25"}))
+    off = {"custom_ops": ["-rotary_embedding"]}
+    assert engine.verifier_compilation(str(tmp_path / "kimi")) == off
+    assert engine.cpu_compilation(KIMI) == off and engine.cpu_compilation({"hidden_size": 64}) is None
     assert "--compilation-config '{\"custom_ops\": [\"-rotary_embedding\"]}'" in engine.serve_command(
-        str(tmp_path / "kimi"), str(tmp_path / "draft"), 3)
-    assert "--compilation-config" not in engine.serve_command(str(tmp_path / "llama"), str(tmp_path / "draft"), 3)
+        "m", "d/last", 3, text_cfg=KIMI)
+    assert "--compilation-config" not in engine.serve_command("m", "d/last", 3, text_cfg={"hidden_size": 64})
