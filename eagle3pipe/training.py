@@ -244,6 +244,10 @@ def check_draft_arch(recipe_, text_cfg):
     why = why or mla_draft.refusal(text_cfg)
     if why:
         raise UsageError(f"--draft-arch deepseek: {why}; use --draft-arch llama")
+    if recipe_.get("norm_before_fc"):
+        raise UsageError("--norm-before-fc: the MLA draft (--draft-arch deepseek, auto's choice for an MLA verifier) "
+                         "has no norm before the FC layer in vLLM; use --fc-norm (a norm per state) or "
+                         "--no-norm-before-fc, or --draft-arch llama")
 
 
 def check_split(rows, val_ratio):

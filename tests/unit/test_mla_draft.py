@@ -44,6 +44,9 @@ def test_rope_settings_that_transformers_and_vllm_compute_apart_are_refused():
     with pytest.raises(UsageError, match="--draft-arch deepseek: the verifier has no MLA"):
         training.check_draft_arch({"draft_arch": "deepseek"}, {"hidden_size": 576})
     training.check_draft_arch({"draft_arch": "llama"}, {"hidden_size": 576})
+    with pytest.raises(UsageError, match="--norm-before-fc: the MLA draft .*auto's choice"):
+        training.check_draft_arch({"draft_arch": "deepseek", "norm_before_fc": True}, KIMI)
+    training.check_draft_arch({"draft_arch": "deepseek", "norm_before_fc": False}, KIMI)
 
 
 def test_auto_picks_the_mla_draft_for_an_mla_verifier_whose_rope_both_sides_compute_alike():
