@@ -78,8 +78,9 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
     kv_transfer_config, ...). The engine's output goes to `log_path` (appended); a failure to start raises RunError."""
     if not on_gpu:
         cpu_vllm_env()
-        if verifier_compilation(model_path):
-            kw.setdefault("compilation_config", verifier_compilation(model_path))
+        comp = verifier_compilation(model_path)
+        if comp:
+            kw.setdefault("compilation_config", comp)
     # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):

@@ -41,4 +41,3 @@ def test_llama_draft_forward_equals_vllms(trained, stages, model_path, tmp_path)
 def test_mla_draft_forward_equals_vllms(ds, ds_mla, tmp_path):
     _, ckpt = ds_mla
     parity(ds["model"], ckpt / "last", first_prompt(ds["prep"], 96), tmp_path)
-
