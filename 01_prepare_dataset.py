@@ -99,6 +99,8 @@ def main():
         bar.update(1)
         try:
             ids, mask, meta = masks.tokenize_conversation(tok, messages, args.max_seq_len)
+        except masks.TemplateTooSlow as e:  # a loop in the template: no record is worth the wait
+            raise cli.UsageError(f"record {rid}: {e}")
         except masks.TemplateError as e:
             skipped["template_error"] += 1
             first_template_error = first_template_error or f"{rid}: {e}"

@@ -220,13 +220,17 @@ def _hub_cached(dataset):
 
 
 def _iter_hub(dataset, split, flag="--dataset"):
+    from .deadlines import call, hub_seconds, iterate
+    what = f"{flag} {dataset}"
     try:
         import datasets
-        ds = datasets.load_dataset(dataset, split=split, streaming=True)
+        ds = call(datasets.load_dataset, hub_seconds(), what, dataset, split=split, streaming=True)
+    except UsageError:
+        raise
     except Exception as e:
         raise UsageError(f"{flag} {dataset}: could not load from the hub ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})")
-    for i, rec in enumerate(ds):
+    for i, rec in enumerate(iterate(ds, hub_seconds(), what)):  # a stream that stalls mid-way is bounded too
         yield f"{dataset}[{split}] record {i}", rec
 
 

@@ -248,10 +248,17 @@ def content_id(obj):
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def read_json(path):
+MAX_JSON = 64 << 20  # bytes: a manifest or a config is pages, not a data file; parsing more is a wait without end
+
+
+def read_json(path, max_bytes=MAX_JSON):
     """A JSON file the pipeline reads (a manifest, a config); any way it is unreadable is one line naming it."""
     try:
         with open_input(path, encoding="utf-8") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise UsageError(f"{path}: {size:,} bytes; a file of this kind is at most {max_bytes:,} bytes: not "
+                                 f"one a stage or a model writes")
             return json.load(f)
     except RecursionError:
         raise UsageError(f"{path}: not valid JSON (nested too deep)")

@@ -12,16 +12,39 @@ boundary is a token boundary and an answer is tokenized on its own, as the verif
 """
 import os
 
+from .deadlines import TemplateTimeout, template_seconds, time_budget
+from .errors import UsageError
+
 
 class TemplateError(Exception):
     """The template refused a conversation (e.g. roles must alternate)."""
 
 
+class TemplateTooSlow(UsageError):
+    """A render ran past its time budget: the template loops (a bug, or hostile); no conversation is worth the wait."""
+
+
+def _budgeted(tok, fn, *args, **kwargs):
+    """fn(*args, **kwargs) within the template's time budget, or one line naming the template."""
+    seconds = template_seconds()
+    try:
+        with time_budget(seconds):
+            return fn(*args, **kwargs)
+    except TemplateTimeout:
+        raise TemplateTooSlow(f"the chat template of {getattr(tok, 'name_or_path', '') or 'the tokenizer'} did not "
+                              f"finish one render within {seconds:g} s (a loop in the template?); fix the template "
+                              f"(EAGLE3_TEMPLATE_TIMEOUT_S moves the limit)")
+
+
 def load_tokenizer(model_path, trust_remote_code=False):
     from transformers import AutoTokenizer
-    from .errors import UsageError
+    from .deadlines import call, hub_seconds
     try:
-        tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        if os.path.isdir(model_path):
+            tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        else:  # a hub id: its files may still have to come over the network
+            tok = call(AutoTokenizer.from_pretrained, hub_seconds(), f"--model-path {model_path}: the tokenizer from "
+                       f"the hub", model_path, trust_remote_code=trust_remote_code)
     except ValueError as e:
         # transformers refuses custom code without the opt-in in a multi-line message: say it in one line
         if "trust_remote_code" not in str(e):
@@ -35,9 +58,19 @@ def load_tokenizer(model_path, trust_remote_code=False):
 
 def render(tok, messages, generation_prompt):
     try:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return _budgeted(tok, tok.apply_chat_template, messages, tokenize=False,
+                         add_generation_prompt=generation_prompt)
+    except UsageError:
+        raise
     except Exception as e:  # jinja2's raise_exception() and template bugs alike
         raise TemplateError(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+
+def prompt_ids(tok, messages):
+    """The token ids of `messages` rendered with the generation prompt (what the verifier answers), within the
+    template's time budget."""
+    return _budgeted(tok, tok.apply_chat_template, messages, add_generation_prompt=True, tokenize=True,
+                     return_dict=True)["input_ids"]
 
 
 def assistant_spans(tok, messages):

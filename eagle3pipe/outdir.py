@@ -41,6 +41,10 @@ SHARD_LOCK = re.compile(r"\.eagle3\.shard-\d+-of-\d+\.lock")
 LAUNCHER = re.compile(r"extract(\.shard-\d+)?\.(log|pid)")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_LEDGER = 1 << 30  # bytes: a record longer than this was not written by a stage
+# A record grows with what the stage made: a line or three per file between compactions (every claim compacts), a
+# few hundred bytes a line. Past this base plus this much per name in the folder it is not a stage's record, and
+# reading it (minutes for millions of lines) would be a wait without an answer.
+LEDGER_BASE, LEDGER_PER_NAME = 16 << 20, 2 << 10
 # kinds: a finished file (size and time must match), a growing file (a log: its inode), a folder, a link, a
 # temporary file (being written: its inode)
 KINDS = {"f", "g", "d", "l", "t"}
@@ -173,6 +177,16 @@ def _plain(rel):
     return 0 < len(rel) < 4096 and "\0" not in rel and all(p not in ("", ".", "..") for p in parts)
 
 
+def _names_in(root):
+    with os.scandir(root) as it:
+        return sum(1 for _ in it)
+
+
+def _ledger_budget(root, size):
+    """The most bytes a record of `root` may hold (only counted when the record is past the base)."""
+    return size if size <= LEDGER_BASE else LEDGER_BASE + LEDGER_PER_NAME * _names_in(root)
+
+
 class Ledger:
     """The identities of what a stage made in one folder: {relative path: identity}, from `LEDGER`."""
 
@@ -198,8 +212,9 @@ class Ledger:
                 raise UsageError(bad("a non-regular"))
             if st.st_nlink != 1:
                 raise UsageError(bad("a hard-linked (shared with another path)"))
-            if st.st_size > MAX_LEDGER:
-                raise UsageError(bad("an oversized"))
+            if st.st_size > min(MAX_LEDGER, _ledger_budget(root, st.st_size)):
+                raise UsageError(bad(f"an oversized ({st.st_size:,} bytes for a folder of "
+                                     f"{_names_in(root):,} entries)"))
             data = f.read()
         data = data[:data.rfind(b"\n") + 1]  # a line another replica is appending right now is read next time
         lines = data.splitlines()
@@ -584,12 +599,23 @@ def link_file(src, path):
 
 def remove_spool_file(spool, path):
     """Delete a file an engine wrote into our spool (it is not in the record: another process made it), and its
-    `.lock`; a path outside the spool is never touched. -> True if `path` was the engine's to hand back."""
+    `.lock`; a path outside the spool is never touched. In a spool the stage does not own (an --engine-spool shared
+    with people), only an engine's file made for this run (eagle3pipe/spool.py: its format and age) and its lock.
+    -> True if `path` was the engine's to hand back."""
+    from .spool import engine_lock, engine_made
     ok = confined(spool, path)
-    for p in (ok, ok and ok + ".lock"):
-        if p and confined(spool, p) and os.path.lexists(p):
-            os.unlink(p)
-    return bool(ok)
+    if not ok or not os.path.lexists(ok):
+        return bool(ok)
+    if owned(spool):  # the folder this stage made for its engine: what the engine handed back, and its lock
+        lock = confined(spool, ok + ".lock")
+    elif engine_made(ok, foreign=True):
+        lock = ok + ".lock" if confined(spool, ok + ".lock") and engine_lock(ok + ".lock", foreign=True) else None
+    else:
+        return True
+    os.unlink(ok)
+    if lock and os.path.lexists(lock):
+        os.unlink(lock)
+    return True
 
 
 # --------------------------------------------------------------------------------------------- claim and lock

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 
-from . import compute, engine, faults, outdir
+from . import compute, engine, faults, masks, outdir
 
 log = logging.getLogger("eagle3")
 ENGINE_LOG = "engine.log"  # in stage 01's output folder: what the vLLM engine prints
@@ -80,8 +80,7 @@ def run(records, tok, args, out):
                 answers.append({"id": ids[j], "turn": turn, "text": msgs[m]["content"], "settings": settings})
                 counts["turns_from_cache"] += 1
                 continue
-            prompt = tok.apply_chat_template(msgs[:m], add_generation_prompt=True, tokenize=True)
-            prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+            prompt = list(masks.prompt_ids(tok, msgs[:m]))
             if len(prompt) >= args.max_seq_len - 1:
                 cut[j] = m
                 continue

@@ -75,8 +75,11 @@ def _hub_file(model_path, name, optional=False):
     if cached is not None and optional:  # the cache recorded that the repository has no such file
         return None
     require_hub("--model-path", model_path)
-    try:
-        return hf_hub_download(model_path, name)
+    from .deadlines import call, hub_seconds
+    try:  # the probe answered; a server that stalls after it is bounded too
+        return call(hf_hub_download, hub_seconds(), f"--model-path {model_path}: {name} from the hub", model_path, name)
+    except UsageError:
+        raise
     except Exception as e:  # gated, missing, the network failing after the probe: all are the operator's to fix
         if optional and "EntryNotFound" in type(e).__name__:
             return None

@@ -1,0 +1,124 @@
+"""Deadlines for the waits a stage cannot bound otherwise: the hub (a server that answers the reachability probe and
+then stalls), and a chat template (Jinja code the operator did not write, which may loop for hours).
+
+- `HUB_SECONDS` bounds each hub exchange before any model loads (a config, a tokenizer, a dataset's first record);
+  huggingface_hub's own connect and read timeouts (10 s) bound each socket operation, but its retries multiply
+  them without limit. `EAGLE3_HUB_TIMEOUT_S` moves it.
+- `TEMPLATE_SECONDS` bounds one render of a chat template (a real one takes milliseconds). `EAGLE3_TEMPLATE_TIMEOUT_S`
+  moves it.
+A wait past its deadline is a UsageError: one line naming what was waited on, exit 2.
+Nothing here imports a heavy library.
+"""
+import contextlib
+import math
+import os
+import queue
+import signal
+import threading
+
+from .errors import UsageError
+
+
+def _seconds(name, default):
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"{name}={text}: expected a positive number of seconds")
+    return value
+
+
+def hub_seconds():
+    return _seconds("EAGLE3_HUB_TIMEOUT_S", 30.0)
+
+
+def template_seconds():
+    return _seconds("EAGLE3_TEMPLATE_TIMEOUT_S", 10.0)
+
+
+def call(fn, seconds, what, *args, **kwargs):
+    """fn(*args, **kwargs), or a UsageError naming `what` once `seconds` pass without an answer. The call runs in a
+    daemon thread: a stalled socket cannot be interrupted, but the stage no longer waits for it, and the thread dies
+    with the process. Exceptions of fn are raised here, as they are."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = e
+    t = threading.Thread(target=target, daemon=True, name=f"deadline: {what}")
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise UsageError(f"{what}: no answer within {seconds:g} s (EAGLE3_HUB_TIMEOUT_S moves the limit); check the "
+                         f"network, or give a local copy")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def iterate(iterable, seconds, what):
+    """The items of `iterable`, each within `seconds` of the one before (a streamed hub dataset): a producer thread
+    reads ahead into a short queue, so a stalled stream is one line instead of a wait without end."""
+    q = queue.Queue(maxsize=64)
+    done = object()
+    stop = threading.Event()
+
+    def produce():
+        try:
+            for item in iterable:
+                while not stop.is_set():
+                    try:
+                        q.put(("item", item), timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(("end", done))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put(("error", e))
+    threading.Thread(target=produce, daemon=True, name=f"deadline: {what}").start()
+    try:
+        while True:
+            try:
+                kind, item = q.get(timeout=seconds)
+            except queue.Empty:
+                raise UsageError(f"{what}: no record within {seconds:g} s (EAGLE3_HUB_TIMEOUT_S moves the limit); "
+                                 f"check the network, or give a local copy")
+            if kind == "end":
+                return
+            if kind == "error":
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+class TemplateTimeout(BaseException):
+    """Raised inside a render that ran past its budget. A BaseException, so that no `except Exception` in Jinja or
+    transformers turns it into a template error of one conversation."""
+
+
+@contextlib.contextmanager
+def time_budget(seconds):
+    """Interrupt the Python code in the `with` block (a Jinja render is Python code) once `seconds` pass, with
+    TemplateTimeout. Needs the main thread (SIGALRM); elsewhere the block runs unbounded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TemplateTimeout()
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
