@@ -74,6 +74,8 @@ def main():
     args = parse_args()
     log = cli.setup_logging()
     fp, _ = verifier.open_verifier(args.model_path, args.trust_remote_code)
+    verifier.check_positions(f"--max-seq-len {args.max_seq_len}", args.max_seq_len + 1, fp, "rows this long (and the "
+                             "position stage 02 reads past one)")
     conversations.check_dataset(args.dataset)
     inputs = [("--model-path", args.model_path), ("--dataset", args.dataset)]
     outdir.check("--output-dir", args.output_dir, "prepare", inputs)

@@ -21,7 +21,7 @@ import argparse
 import json
 import os
 
-from eagle3pipe import adapters, cli, compute, files, online_plan, outdir, verifier
+from eagle3pipe import adapters, cli, compute, files, input_watch, online_plan, outdir, train_plan, verifier
 
 
 def parse_args(argv=None):
@@ -97,6 +97,7 @@ def main():
     args = parse_args()
     log = cli.setup_logging()
     rank = int(os.environ.get("RANK", "0"))
+    device = train_plan.check_device(args)  # --device, --loss-implementation, --num-workers: before anything loads
     from eagle3pipe import online, training
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     adapters.check_private("speculators")  # the private names adapters.py relies on, before torch loads
@@ -113,24 +114,25 @@ def main():
     prep, ext, voc, rows, failed = training.check_inputs(args, fp, verify_data=rank == 0 and args.verify_data,
                                                          online_layer_ids=layer_ids)
     longest = max(len(r[0]) for r in rows)
-    if longest > args.total_seq_len:
-        raise cli.UsageError(f"--total-seq-len {args.total_seq_len}: shorter than the longest row ({longest} tokens); "
-                             f"raise it")
     training.check_split(len(rows), args.val_ratio)
-    from eagle3pipe.engine import visible_gpus
-    training.check_draft_memory(args.num_layers, tc, voc["counts"]["draft_vocab_size"],
-                                args.device != "cpu" and bool(visible_gpus()))
+    draft_vocab = voc["counts"]["draft_vocab_size"]
+    training.check_draft_memory(args.num_layers, tc, draft_vocab, device.on_gpu)
+    dtype = compute.resolve(args.dtype, device.on_gpu)
+    # sizes and step counts against the data, the memory and the disk
+    train_plan.check_sizes(args, tc, rows, len(ext["layer_ids"]), draft_vocab, device, dtype.dtype)
+    if rank == 0:
+        train_plan.check_disk(args, tc, draft_vocab, sum(len(r[0]) for r in rows))
     # the engine, its GPUs and port: before anything loads
     states = online_plan.plan(args, fp, tc, longest, layer_ids) if args.online else None
-    dtype = compute.for_cpu_or_gpu(args.dtype, args.device)
     if states and states.trainer_cvd:
         os.environ["CUDA_VISIBLE_DEVICES"] = states.trainer_cvd  # training keeps off the engine's GPUs
-    identity = {"prepared": prep["content_id"], "extract": ext["content_id"], "vocab": voc["content_id"],
-                "num_layers": args.num_layers, "ttt_steps": args.ttt_steps}
-    changed = {k: v for k, v in recipe.items() if training.DEFAULT_RECIPE[k] != v}
-    if changed:  # a rerun resumes only the same recipe (folders of the default recipe carry none)
-        identity["recipe"] = changed
-    out, previous = training.prepare_output(args, identity, inputs, rank)  # rank 0 holds the folder's lock from here on
+    identity = train_plan.run_identity(args, prep, ext, voc, recipe)
+    if rank == 0:  # an earlier run here resumes only if it is this run: else every differing setting, in one line
+        train_plan.check_resume(args, identity)
+    watch = input_watch.stage04_inputs(args, prep, ext, voc)
+    input_watch.watch_training(watch)  # re-checked at each checkpoint, and before the manifest
+    out, previous = training.prepare_output(args, identity, inputs, rank,  # rank 0 holds the folder's lock from here on
+                                            carry=lambda old: train_plan.horizon(args))
     if rank == 0:  # the first line once every check has passed: what the run will compute in, and why
         log.info(dtype.describe())
         if dtype.warning:
@@ -161,6 +163,8 @@ def main():
         log.warning(f"stopped by a signal at step {result['steps']}; checkpoint {out}/interrupted; rerun the same "
                     f"command to resume")
         return 128 + 15
+    if rank == 0:
+        watch.check()
     if rank == 0 and result["steps_this_run"] == 0 and previous:  # the checkpoint is what the earlier run trained
         files.write_json(os.path.join(out, files.MANIFEST), previous)
         log.info(f"nothing left to train: {out} is unchanged (its manifest says how it was trained)")

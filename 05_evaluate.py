@@ -4,6 +4,7 @@ Usage:
     python 05_evaluate.py --config configs/smollm2-135m.yaml --draft data/checkpoints/last
     python 05_evaluate.py --model-path M --draft D --prompts held_out.jsonl --num-prompts 100 --batch-sizes 1,8
     python 05_evaluate.py --config C --draft runA/checkpoint_best runB/checkpoint_best   # ranked on the same prompts
+    python 05_evaluate.py --config C --draft D --dry-run   # every check, in seconds, nothing loaded or written
 
 Inputs:  --model-path (verifier), --draft (stage 04 checkpoints, or stage 04 folders: each of their checkpoints is
          measured on the same prompts, ranked by acceptance, the best reported), --prompts (`sharegpt` by default: the
@@ -40,16 +41,20 @@ def parse_args(argv=None):
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--output-dir", default="data/eval", help="stage 05 output folder")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="run every check (the drafts' configs and weights' headers, "
+                   "the flags against the verifier and the GPUs, the prompts' lengths), then stop: nothing loaded or "
+                   "written")
     return cli.parse_args(p, "evaluate", argv, required=["model_path"])
 
 
 def main():
     args = parse_args()
     log = cli.setup_logging()
-    from eagle3pipe import engine, evaluation
+    from eagle3pipe import draft_check, engine, evaluation
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
-    drafts, mismatches = evaluation.drafts_to_measure(args.draft, fp, tc)  # one, or each epoch of a stage 04 folder
     gpus = engine.visible_gpus()
+    draft_check.check_run(args, fp, tc, gpus)  # the flags against the verifier's positions and the GPUs
+    drafts, mismatches = evaluation.drafts_to_measure(args.draft, fp, tc, args.tp_size, args.num_speculative_tokens)
     from eagle3pipe.mla_draft import is_mla_checkpoint
     blocker = engine.eagle3_blocker(tc, bool(gpus), mla_draft=all(is_mla_checkpoint(p) for _, p in drafts))
     if blocker:  # refused in seconds, not after the verifier's load
@@ -64,21 +69,28 @@ def main():
     skip, unknown = evaluation.held_out_skip(args.prompts, args.prepared_data)  # never evaluate on training data
     train_metrics, cut = evaluation.read_train_metrics(drafts[0][1])
     prompts = evaluation.select_prompts(args, skip)
-    out = outdir.claim("--output-dir", args.output_dir, "evaluate", inputs)
-    dtype = compute.resolve(args.dtype, bool(gpus))
-    log.info(dtype.describe())
-    if dtype.warning:
-        log.warning(dtype.warning)
-    for warning in [unknown, cut] + mismatches:
-        if warning:
-            log.warning(warning)
-    log.info(f"{len(prompts)} prompts from {args.prompts} (after the first {skip} records)")
-
+    # the one check that needs the tokenizer (transformers), after every cheap one and before the folder is taken
     from eagle3pipe.masks import load_tokenizer
     tok = load_tokenizer(args.model_path, args.trust_remote_code)
     ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
            for p in prompts]
-    max_len = max(len(i) for i in ids) + args.max_new_tokens + args.num_speculative_tokens + 8
+    max_len = draft_check.max_model_len(max(len(i) for i in ids), args, fp.get("max_position_embeddings"))
+    dtype = compute.resolve(args.dtype, bool(gpus))
+    warnings = [w for w in [unknown, cut] + mismatches if w]
+    if args.dry_run:
+        for warning in warnings:
+            log.warning(warning)
+        print(f"dry run: {len(drafts)} checkpoint(s) checked ({', '.join(n for n, _ in drafts)}); {len(prompts)} "
+              f"prompts of at most {max(len(i) for i in ids)} tokens, max_model_len {max_len}; {dtype.describe()}; "
+              f"{f'{len(gpus)} GPU(s), --tp-size {args.tp_size}' if gpus else 'CPU'}; nothing loaded, nothing written")
+        return 0
+    out = outdir.claim("--output-dir", args.output_dir, "evaluate", inputs)
+    log.info(dtype.describe())
+    for warning in [dtype.warning] + warnings:
+        if warning:
+            log.warning(warning)
+    log.info(f"{len(prompts)} prompts from {args.prompts} (after the first {skip} records)")
+
     sizes = sorted(set([1] + args.batch_sizes))
     common = dict(max_model_len=max_len, on_gpu=bool(gpus), tp=args.tp_size, trust_remote_code=args.trust_remote_code,
                   dtype=dtype.dtype, log_path=os.path.join(out, ENGINE_LOG))

@@ -44,9 +44,11 @@ def describe(e):
     """Any exception as (exit code, one line): ours as they are; the OS's, memory, decoding and the libraries' own
     (validation errors raised inside speculators, vLLM, transformers) with what it was and what to do."""
     text = str(e)
-    if "Original Traceback" in text:  # re-raised from a data-loader worker: the worker's own last line says it
-        last = [line for line in text.splitlines() if line.strip()][-1]
-        text = re.sub(r"^[\w.]+: ", "", last)
+    if "Traceback (most recent call last)" in text:  # a child's (a data-loader worker's) traceback re-raised here:
+        # the cause it names, not the wrappers around it
+        from .engine_log import root_cause
+        cause = root_cause(text.splitlines()) or [line for line in text.splitlines() if line.strip()][-1]
+        text = re.sub(r"^[\w.]+: ", "", cause)
     if isinstance(e, UsageError):
         return 2, text
     if isinstance(e, RunError):
@@ -62,7 +64,7 @@ def describe(e):
     if isinstance(e, RecursionError):
         return 2, "an input nested too deep to read; check the last file or record named above"
     where = type(e).__module__.split(".")[0]
-    what = " ".join(str(e).split())[:300] or "no message"
+    what = " ".join(text.split())[:300] or "no message"
     origin = f" (raised in {where})" if where not in ("builtins", "eagle3pipe", "__main__") else ""
     return 1, f"{type(e).__name__}{origin}: {what}; set EAGLE3_DEBUG=1 for the traceback"
 
@@ -286,10 +288,12 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
+    configured = {}
     if known.config is not None:
         if not known.config.strip():
             raise UsageError("--config: empty path")
-        parser.set_defaults(**load_config(known.config, section))
+        configured = load_config(known.config, section)
+        parser.set_defaults(**configured)
     args = parser.parse_args(argv)
     for dest in required:
         if getattr(args, dest) in (None, ""):
@@ -297,7 +301,11 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
             raise UsageError(f"missing {flag} (give the flag, or '{dest}' in --config)")
     if derive:
         derive(args)
-    return RECORDS[section].from_args(args)
+    record = RECORDS[section].from_args(args)
+    from .flag_sources import explicit, refuse_contradictions
+    given = explicit(parser, sys.argv[1:] if argv is None else argv)
+    refuse_contradictions(section, record, given, set(configured) - set(given), known.config)
+    return record
 
 
 class _OneLine(logging.Formatter):

@@ -7,8 +7,10 @@
   a 2 GiB KV cache.
 - `make_llm(...)`: a `vllm.LLM` with the settings every stage shares (the compute dtype of compute.py; eager on CPU,
   where compiling costs about 90 s at start for no gain). Everything the engine prints (its start-up logs, Triton and
-  deprecation warnings, its worker processes' output) goes to a log file named once; a failure to start is one line
-  that quotes the log's last error.
+  deprecation warnings, its worker processes' output) goes to a log file named once (engine_log.py); a failure to
+  start is one line that quotes the root cause in the log, not the wrappers around it.
+- No engine outlives the stage: `lifeline.start()` before any engine process exists (make_llm, Server.start); the
+  server we start also gets a parent-death signal and its own session.
 """
 import contextlib
 import json
@@ -21,9 +23,11 @@ import threading
 import time
 import urllib.request
 
-from . import outdir
+from . import lifeline, outdir
 from .adapters import VLLM_CPU_MLA_COMPILATION
+from .engine_log import engine_output, last_error, open_log  # noqa: F401 (the stages' and tests' names for them)
 from .errors import RunError
+from .spool import engine_lock, engine_made
 
 log = logging.getLogger("eagle3")
 
@@ -85,6 +89,7 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
+    lifeline.start()  # vLLM spawns its EngineCore and workers: they die with this process, however it ends
     log.info(f"starting the vLLM engine ({dtype}); its output goes to {log_path}")
     t0 = time.time()
     with engine_output(log_path):
@@ -93,16 +98,29 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
             llm = LLM(model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len,
                       enforce_eager=not on_gpu, trust_remote_code=trust_remote_code, **kw)
         except Exception as e:  # vLLM's own message is often "see the root cause above": the log has it
-            cause = last_error(log_path)
-            raise RunError(f"the vLLM engine failed to start ({' '.join(str(e).split())[:200] or type(e).__name__})"
-                           f"{'; its log says: ' + cause if cause else ''}; full log: {log_path}") from e
+            raise RunError(start_failure(e, log_path)) from e
     log.info(f"vLLM engine ready in {time.time() - t0:.0f} s")
     _watches[id(llm)] = EngineWatch(_children(), log_path)
     return llm
 
 
+def start_failure(e, log_path):
+    """The one line for an engine that failed to start with `e`: the root cause its log names first (the processes
+    that failed inside print it; `e` is often only their wrapper), then `e` unless it is a wrapper."""
+    from .engine_log import WRAPPER, root_cause
+    cause = last_error(log_path)
+    own = " ".join(str(e).split())[:200]
+    own = f"{type(e).__name__}: {own}" if own else type(e).__name__
+    if not cause:
+        return f"the vLLM engine failed to start: {own}; full log: {log_path}"
+    if WRAPPER.search(own) or root_cause([own]) == cause or cause in own:
+        return f"the vLLM engine failed to start: {cause}; full log: {log_path}"
+    return f"the vLLM engine failed to start: {cause} (then {own}); full log: {log_path}"
+
+
 def _children():
-    """The pids of this process's children (vLLM's engine core and workers, once the engine is up)."""
+    """The pids of this process's children (vLLM's engine core and workers, once the engine is up), but for its
+    lifeline watchdog."""
     pids = []
     for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
         try:
@@ -110,7 +128,7 @@ def _children():
                 pids += [int(x) for x in f.read().split()]
         except OSError:
             pass
-    return sorted(set(pids))
+    return sorted(set(pids) - set(lifeline.watchdogs()))
 
 
 def _gone(pid):
@@ -160,53 +178,6 @@ def generate(llm, *args, **kwargs):
     watch = _watches.get(id(llm))
     with watch.guard() if watch else contextlib.nullcontext():
         return llm.generate(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def engine_output(log_path):
-    """While inside, this process's stdout and stderr (file descriptors 1 and 2) go to `log_path`, so everything
-    vLLM, Triton and torch print while the engine starts lands there, and the worker processes started meanwhile
-    keep the file as their output for good. vLLM's own logger in this process is pointed at the file too. The
-    file is opened without following a link (O_NOFOLLOW): a link planted there is refused, never written through."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = open_log(log_path)
-    saved = os.dup(1), os.dup(2)
-    try:
-        os.write(fd, f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: {' '.join(sys.argv)}\n".encode())
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for f in (*saved, fd):
-            os.close(f)
-        stream = None
-        for h in logging.getLogger("vllm").handlers:  # vLLM's later messages in this process: to the file too
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                stream = stream or os.fdopen(open_log(log_path), "a", encoding="utf-8")
-                h.setStream(stream)
-
-
-def open_log(log_path):
-    """A file descriptor appending to `log_path`, never through a link planted there (outdir.open_append); RunError
-    (one line) if it cannot be opened."""
-    return outdir.open_append(log_path)
-
-
-def last_error(log_path, tail=65536):
-    """The last line of `log_path` that reads like an error (ERROR, Error:, Exception), shortened; '' if none."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(max(0, os.path.getsize(log_path) - tail))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return ""
-    hits = [l for l in lines if "ERROR" in l or "Error:" in l or "Exception:" in l]
-    return " ".join(hits[-1].split())[:300] if hits else ""
 
 
 def connector_config(staging, on_gpu):
@@ -276,8 +247,9 @@ def serve_command(model_path, draft, k, elsewhere=False, text_cfg=None):
 
 def wait_for_engine_file(path, spool, timeout=600):
     """Return True once the engine's writer thread has finished `path` (it holds `path`.lock until then, and a dead
-    engine's lock is released with it), or False at once if `path` is not a file inside `spool`, the folder this
-    stage made for the engine: nothing outside it is read, waited on or deleted."""
+    engine's lock is released with it), or False at once if `path` is not a file inside `spool`: nothing outside it
+    is read, waited on or deleted. The lock is then deleted if it is the engine's (spool.py): in a spool the stage
+    does not own, a lock beside anything but this run's engine file stays."""
     import fcntl
     if spool is None or not outdir.confined(spool, path):
         return False
@@ -300,7 +272,7 @@ def wait_for_engine_file(path, spool, timeout=600):
                 time.sleep(0.01)
     finally:
         os.close(fd)
-    if outdir.confined(spool, lock):
+    if outdir.confined(spool, lock) and engine_lock(lock, foreign=not outdir.owned(spool)):
         os.unlink(lock)
     return True
 
@@ -309,23 +281,16 @@ def engine_file(path):
     """True if `path` is a regular file in the engine's own format: safetensors holding exactly `hidden_states` and
     `token_ids` (what vLLM's connector, ours and hf_server.py write), or an empty `.safetensors.lock` beside one
     (or beside nothing)."""
-    from .hidden_states import read_header
-    try:
-        st = os.lstat(path)
-        if not os.path.isfile(path) or os.path.islink(path):
-            return False
-        if path.endswith(".safetensors.lock"):
-            return st.st_size == 0 and (not os.path.lexists(path[:-5]) or engine_file(path[:-5]))
-        return path.endswith(".safetensors") and set(read_header(path)[0]) - {"__metadata__"} == {
-            "hidden_states", "token_ids"}
-    except (OSError, ValueError, TypeError):
-        return False
+    if path.endswith(".safetensors.lock"):
+        return engine_lock(path, beside_nothing=True)
+    return engine_made(path)
 
 
 def clear_spool(spool):
     """In a spool folder this stage made for an engine it ran (a process since gone): delete what that engine wrote
     there, told by its format (engine_file), never by name alone; anything else, a file it was cutting short
-    included, stays and is named. -> the entries left."""
+    included, stays and is named. A folder the stage does not own (a shared --engine-spool) is never cleared: there
+    only the files the engine handed back to this run are deleted, one by one. -> the entries left."""
     if not outdir.owned(spool):
         return sorted(os.listdir(spool)) if os.path.isdir(spool) else []
     for name in sorted(os.listdir(spool), key=lambda n: n.endswith(".lock")):  # files first, then their locks
@@ -412,11 +377,24 @@ def parent_death_signal(sig):
         pass
 
 
-def _die_with_parent():
-    """In the engine's process, before exec: SIGTERM when stage 04 dies, so no engine outlives it (holding its GPUs
-    and port); its own process group, stopped as a whole and untouched by the terminal's Ctrl-C."""
-    parent_death_signal(signal.SIGTERM)
-    os.setsid()
+def _die_with(parent):
+    """-> the function the engine's process runs before exec: SIGTERM when stage 04 (`parent`) dies, so no engine
+    outlives it (holding its GPUs and port), and out at once if it died before that was set; its own session and
+    process group, stopped as a whole and untouched by the terminal's Ctrl-C. An engine that ignores SIGTERM while
+    it starts is ended by stage 04's lifeline (SIGKILL after lifeline.GRACE s)."""
+    try:  # loaded here: an import between fork and exec can deadlock on a lock another thread held
+        import ctypes
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        prctl = None
+
+    def child():
+        if prctl is not None:
+            prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+        os.setsid()
+    return child
 
 
 class Server:
@@ -427,14 +405,21 @@ class Server:
 
     @classmethod
     def start(cls, cmd, env, log_path, port):
+        """Start the engine from the main thread (a parent-death signal follows the thread that forked)."""
+        lifeline.start()
         f = os.fdopen(open_log(log_path), "ab")  # never through a link planted at that name
         f.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=lifeline.marked(dict(env)),
+                                preexec_fn=_die_with(os.getpid()))
         f.close()
         return cls(f"http://127.0.0.1:{port}/v1", proc, log_path)
 
     def last_line(self):
+        """The root cause the engine's log names (engine_log.py), else its last line."""
+        cause = last_error(self.log_path) if self.log_path else ""
+        if cause:
+            return cause
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(max(0, os.path.getsize(self.log_path) - 4096))
@@ -447,8 +432,8 @@ class Server:
         t0 = time.time()
         while time.time() - t0 < timeout:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RunError(f"the extraction engine exited with code {self.proc.returncode} while loading; its log "
-                               f"{self.log_path} ends: {self.last_line()}")
+                raise RunError(f"the extraction engine exited with code {self.proc.returncode} while loading: "
+                               f"{self.last_line()}; its log: {self.log_path}")
             try:
                 get_json(self.url + "/models", 2)
                 return time.time() - t0
@@ -499,8 +484,8 @@ class Server:
                     return
                 if self.proc is not None:
                     if self.proc.poll() is not None:
-                        return on_death(f"exited with code {self.proc.returncode}; its log {self.log_path} ends: "
-                                        f"{self.last_line()}")
+                        return on_death(f"exited with code {self.proc.returncode}: {self.last_line()}; its log: "
+                                        f"{self.log_path}")
                     continue
                 try:
                     get_json(self.url + "/models", 5)

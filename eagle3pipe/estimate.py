@@ -14,9 +14,13 @@ promise: each stage prints its own estimate from its first batches once it runs.
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
+
+from . import cli
+from .errors import UsageError
 
 # Calibrated on this project's 2-core AMD EPYC (AVX-512 with avx512_bf16, no AMX) running the quickstart itself
 # (284 rows, 387,942 tokens; docs/BENCHMARKS.md): bf16 natively; float32 with torch held to AVX2 kernels, the setting
@@ -94,28 +98,58 @@ def _fmt(seconds):
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
+def positive_int(text):
+    """A count: a whole number >= 1 (argparse refuses anything else in one line)."""
+    if not (text.strip().isascii() and text.strip().isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return int(text)
+
+
+def minutes(text):
+    """A time budget: a finite number of minutes > 0 (nan, inf, a negative or a word would size the run silently)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of minutes greater than 0, got {text!r}")
+    return value
+
+
+def sizes(text):
+    """Batch sizes: whole numbers >= 1, separated by commas."""
+    try:
+        return [positive_int(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1 separated by commas, got {text!r}")
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="How long stages 02-05 take here, from a short measurement.")
+    from .compute import CHOICES
+    p = cli.Parser(description="How long stages 02-05 take here, from a short measurement.")
     p.add_argument("--model-path", required=True)
     p.add_argument("--prepared-data", required=True, help="stage 01 folder (its rows' lengths)")
-    p.add_argument("--samples", type=int, required=True, help="conversations stage 01 read (the most to use)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--batch-sizes", default="1,4")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--budget-min", type=float, default=None,
+    p.add_argument("--samples", type=positive_int, required=True,
+                   help="conversations stage 01 read (the most to use)")
+    p.add_argument("--epochs", type=positive_int, default=2)
+    p.add_argument("--num-prompts", type=positive_int, default=8)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--batch-sizes", type=sizes, default=[1, 4])
+    p.add_argument("--dtype", choices=list(CHOICES), default="auto")
+    p.add_argument("--budget-min", type=minutes, default=None,
                    help="print on stdout the number of conversations that fits this many minutes")
     a = p.parse_args(argv)
+    rows_file = os.path.join(a.prepared_data, "tokenized_data.jsonl")
+    if not os.path.isfile(rows_file):
+        raise UsageError(f"--prepared-data {a.prepared_data}: no tokenized_data.jsonl; run 01_prepare_dataset.py")
     from .engine import visible_gpus
     if visible_gpus():  # the quickstart's sizes are seconds of work for a GPU; the measurement here is a CPU one
         print(a.samples)
         return 0
-    with open(os.path.join(a.prepared_data, "tokenized_data.jsonl"), "rb") as f:
+    with open(rows_file, "rb") as f:
         rows = [json.loads(line)["input_ids"] for line in f]
     r = measure(a.model_path, rows, a.dtype)
-    kw = dict(epochs=a.epochs, prompts=a.num_prompts, new_tokens=a.max_new_tokens,
-              batch_sizes=[int(x) for x in a.batch_sizes.split(",")])
+    kw = dict(epochs=a.epochs, prompts=a.num_prompts, new_tokens=a.max_new_tokens, batch_sizes=a.batch_sizes)
     tokens = sum(len(x) for x in rows)
     full = stage_seconds(r, tokens, **kw)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731  (stdout carries the answer only)
@@ -139,4 +173,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

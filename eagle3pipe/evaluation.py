@@ -10,48 +10,10 @@ import os
 import time
 
 from . import engine
+from .draft_check import check_draft, serving_mismatches  # noqa: F401 (the draft's checks; tests' names)
 from .errors import UsageError
 
 log = logging.getLogger("eagle3")
-
-
-def check_draft(draft, fp):
-    """The draft folder is a speculators eagle3 checkpoint for this verifier's shapes -> its config."""
-    cfg_path = os.path.join(draft, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise UsageError(f"--draft {draft}: no config.json (give a stage 04 checkpoint, e.g. data/checkpoints/last)")
-    from .files import read_json
-    from .verifier import same_verifier
-    rerun = "rerun 04_train.py"
-    try:  # a checkpoint cut short (disk full, a kill mid-copy) reads as bad JSON: one line, not a traceback
-        cfg = read_json(cfg_path)
-    except UsageError as e:
-        raise UsageError(f"--draft {draft}: {e}; {rerun}")
-    if not isinstance(cfg, dict):
-        raise UsageError(f"--draft {draft}: {cfg_path} holds a JSON {type(cfg).__name__}, not a checkpoint "
-                         f"config; {rerun}")
-    if cfg.get("speculators_model_type") != "eagle3":
-        raise UsageError(f"--draft {draft}: not an eagle3 speculators checkpoint ({cfg_path} has "
-                         f"speculators_model_type={cfg.get('speculators_model_type')!r}); {rerun}")
-    layer = cfg.get("transformer_layer_config")
-    hidden = layer.get("hidden_size") if isinstance(layer, dict) else None
-    if not isinstance(hidden, int):
-        raise UsageError(f"--draft {draft}: {cfg_path} lacks transformer_layer_config.hidden_size; {rerun}")
-    if hidden != fp["hidden_size"]:
-        raise UsageError(f"--draft {draft}: hidden size {hidden}, the verifier's is {fp['hidden_size']}; "
-                         f"it was trained for another verifier")
-    train_manifest = os.path.join(os.path.dirname(os.path.realpath(draft)), "manifest.json")
-    if os.path.isfile(train_manifest):
-        try:
-            man = read_json(train_manifest)
-        except UsageError as e:
-            raise UsageError(f"--draft {draft}: {e}; {rerun}")
-        man = man if isinstance(man, dict) else {}
-        mine = man.get("verifier")
-        diff = same_verifier(mine if isinstance(mine, dict) else {}, fp)
-        if man.get("stage") == "train" and diff:
-            raise UsageError(f"--draft {draft}: trained for another verifier ({diff} differs from --model-path)")
-    return cfg
 
 
 def candidates(draft):
@@ -82,43 +44,19 @@ def train_manifest(draft):
     return man if isinstance(man, dict) and man.get("stage") == "train" else {}
 
 
-def serving_mismatches(cfg, text_cfg, man):
-    """What a draft's config says against the verifier's config and the stage 04 run that trained it. -> ([hard],
-    [soft]): hard ones (the draft would read other inputs than it was trained on) are refused before any engine
-    loads; soft ones (positions, rope) are named in the log and the report."""
-    layer = cfg.get("transformer_layer_config") or {}
-    hard, soft = [], []
-    if layer.get("vocab_size") not in (None, text_cfg.get("vocab_size")):
-        hard.append(f"vocabulary {layer.get('vocab_size')} against the verifier's {text_cfg.get('vocab_size')}")
-    if man:
-        if man.get("aux_layer_ids") and cfg.get("eagle_aux_hidden_state_layer_ids") != man["aux_layer_ids"]:
-            hard.append(f"auxiliary layer ids {cfg.get('eagle_aux_hidden_state_layer_ids')} against the "
-                        f"{man['aux_layer_ids']} stage 02 extracted for it")
-        if man.get("draft_vocab_size") and cfg.get("draft_vocab_size") != man["draft_vocab_size"]:
-            hard.append(f"draft vocabulary {cfg.get('draft_vocab_size')} against stage 03's {man['draft_vocab_size']}")
-        for k in ("norm_before_fc", "fc_norm", "norm_output"):
-            if k in (man.get("recipe") or {}) and bool(cfg.get(k)) != bool(man["recipe"][k]):
-                hard.append(f"{k}={cfg.get(k)} against the {man['recipe'][k]} it was trained with")
-    mine, theirs = layer.get("max_position_embeddings"), text_cfg.get("max_position_embeddings")
-    if mine and theirs and mine != theirs:
-        soft.append(f"max_position_embeddings {mine} against the verifier's {theirs}")
-    rope = lambda c: c.get("rope_parameters") or {k: c.get(k) for k in ("rope_theta", "rope_scaling") if c.get(k)}  # noqa: E731
-    if rope(layer) and rope(text_cfg) and rope(layer) != rope(text_cfg):
-        soft.append(f"rope settings {rope(layer)} against the verifier's {rope(text_cfg)}")
-    return hard, soft
-
-
 def run_name(draft):
     """What a draft is called among others: its stage 04 folder's name (a checkpoint's parent, or the folder given)."""
     real = os.path.realpath(draft)
     return os.path.basename(os.path.dirname(real) if os.path.isfile(os.path.join(real, "config.json")) else real)
 
 
-def drafts_to_measure(drafts, fp, text_cfg):
+def drafts_to_measure(drafts, fp, text_cfg, tp=1, k=None):
     """Every checkpoint the `--draft` paths name (each one checkpoint, or each epoch of a stage 04 folder), checked
-    before any engine loads: an eagle3 checkpoint for this verifier, whose config matches the verifier and the run
-    that trained it. With several paths each name is prefixed by its run's folder name ('<run>/<epoch>').
+    before any engine loads: an eagle3 checkpoint for this verifier, every field of its config and its weights' headers
+    (draft_check.py), and the run that trained it. With several paths each name is prefixed by its run's folder name
+    ('<run>/<epoch>'). `tp`, `k`: --tp-size (the draft's heads are split too), --num-speculative-tokens.
     -> ([(name, path)], [warnings])."""
+    from .draft_check import check_folder
     found, warnings = [], []
     for draft in drafts:
         found += [(name if len(drafts) == 1 else f"{run_name(draft)}/{name}", path) for name, path in candidates(draft)]
@@ -129,11 +67,17 @@ def drafts_to_measure(drafts, fp, text_cfg):
         seen[name] = os.path.realpath(path)
     for name, path in found:
         cfg = check_draft(path, fp)
-        hard, soft = serving_mismatches(cfg, text_cfg, train_manifest(path))
+        check_folder(path, cfg, text_cfg, tp)
+        man = train_manifest(path)
+        hard, soft = serving_mismatches(cfg, text_cfg, man)
         if hard:
             raise UsageError(f"--draft {path}: {hard[0]}; it would read other inputs than it was trained on: rerun "
                              f"04_train.py")
         warnings += [f"--draft {path}: {s} (the draft may accept less than it could)" for s in soft]
+        steps = (man.get("args") or {}).get("ttt_steps")
+        if k and isinstance(steps, int) and k > steps:
+            warnings.append(f"--num-speculative-tokens {k}: {path} was trained for {steps} steps; positions past "
+                            f"{steps} chain its own guesses further than training did and accept less")
     return found, warnings
 
 

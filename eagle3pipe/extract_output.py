@@ -53,7 +53,8 @@ def prepare_output(args, plan):
 
 def computed_dtypes(out, plan, extracted):
     """The compute dtypes of the runs that wrote files here: the run file's record, with this run's added (there too)
-    if it extracted any row."""
+    if it extracted any row. Every dtype is recorded, not refused: a resumed folder may mix them (another machine,
+    another --dtype), and its files are bf16 whatever computed them; the manifest lists them all."""
     run_file = os.path.join(out, files.RUN_FILE)
     record = files.read_json(run_file) if os.path.exists(run_file) else {}
     dtypes = set(record.get("compute_dtypes", [])) if isinstance(record, dict) else set()
@@ -63,11 +64,19 @@ def computed_dtypes(out, plan, extracted):
     return sorted(dtypes)
 
 
+def record_compute_dtype(out, plan):
+    """Before the first file of a run: its compute dtype into the run record, so a run killed or stopped before its
+    manifest still counts once a rerun under another --dtype finishes the folder."""
+    computed_dtypes(out, plan, True)
+
+
 def finish(args, plan, identity, rows, failed, stats):
     """Write manifest.json once every row is accounted for. A shard first writes its own report; the replica that
     completes the set (or `--verify`) checks every file of every shard and writes the folder's manifest."""
     from . import extraction
     out, (n_states, hidden) = args.output_dir, (plan.n_states, plan.hidden_size)
+    from .input_watch import stage01
+    stage01("--prepared-data", plan.jsonl, plan.prepared_manifest).check(full=True)  # the rows this folder was made from
     dtypes = computed_dtypes(out, plan, stats["tokens"] > 0)
     if args.shard and not args.verify:
         i, n = args.shard

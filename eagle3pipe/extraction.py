@@ -256,12 +256,18 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
                     f"(send it again to stop at once)")
     main_thread = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
+    # stage 01's folder rewritten under this run: one line, before files of two inputs mix (and again in finish)
+    from .input_watch import stage01
+    watch = stage01("--prepared-data", plan.jsonl, plan.prepared_manifest)
+    from .extract_output import record_compute_dtype
+    record_compute_dtype(out_dir, plan)  # before the first file: a run killed later still counts
     t0 = time.time()
     batches = make_batches(todo, [len(r) for r in rows], args.batch_size, args.max_tokens_per_batch)
     try:
         for batch in batches:
             if stop:
                 break
+            watch.maybe_check()
             if faults.armed("between"):
                 backend.flush()
                 writer.q.join()  # a kill "between batches": after the previous batch's files are all written

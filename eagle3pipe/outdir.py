@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 
+from . import handoff
 from .errors import RunError, UsageError, oneline
 
 LEDGER = ".eagle3-owner.jsonl"
@@ -444,9 +445,10 @@ def _open_plain(path, flags, error, what, todo):
     return fd
 
 
-def open_append(path, flags=os.O_WRONLY | os.O_APPEND):
+def open_append(path, flags=os.O_WRONLY | os.O_APPEND, handed_on=False):
     """A file descriptor that appends to (or locks) a log or lock file of the stage's, created if absent; never
-    through a link, never someone else's file. -> fd (RunError, one line, otherwise)."""
+    through a link, never someone else's file. `handed_on`: another process keeps appending after this one exits (the
+    stage a launcher starts), so it stays a growing file in the record. -> fd (RunError, one line, otherwise)."""
     led, rel = _ledger_of(path)
     existed = os.path.lexists(path)
     if led is not None and existed and not led.owns(rel):
@@ -456,7 +458,7 @@ def open_append(path, flags=os.O_WRONLY | os.O_APPEND):
     os.set_blocking(fd, True)
     if not existed or (led is not None and led.entries.get(rel, ["g"])[0] != "g"):
         record(path, "g")
-    if led is not None:
+    if led is not None and not handed_on:
         _growing.add(path)
     return fd
 
@@ -661,6 +663,10 @@ def _try_lock(folder, name, mode, create):
         return None, True
     fd = _open_plain(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY, UsageError, "cannot be the lock",
                      "a stage never opens a link it did not make: remove it and rerun")
+    handed = handoff.lock_for(fd)  # the launcher that started this process took this lock for it (launch.py)
+    if handed is not None:
+        os.close(fd)
+        return handed, True
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -744,11 +750,11 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
                              f"finish or stop it first")
         if mode == fcntl.LOCK_EX:
             os.ftruncate(fd, 0)
-            os.write(fd, f"PID {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}\n".encode(
-                "utf-8", "backslashreplace"))  # a name in Latin-1 bytes stays readable
+            os.pwrite(fd, f"PID {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}\n".encode(
+                "utf-8", "backslashreplace"), 0)  # a name in Latin-1 bytes stays readable
         _held.append(fd)
     led = Ledger.load(real) or Ledger(real, stage, {})
-    if not shard:
+    if not shard and not handoff.handed():  # a launcher handing its lock over compacted the record just before
         led.write_new(stage)  # compacted; replicas share the record and only append
     else:  # replicas share one record, made whole by whichever comes first, then read by each (its offset with it)
         if not os.path.lexists(os.path.join(real, LEDGER)):
@@ -768,7 +774,8 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
             if not os.path.lexists(os.path.join(real, rel)):
                 forget(os.path.join(real, rel))
     if overwrite:
-        tops = sorted(r for r in led.entries if "/" not in r)
+        # the launcher's log and PID file are the running job's own, made just before this run started
+        tops = sorted(r for r in led.entries if "/" not in r and not (stage == "extract" and LAUNCHER.fullmatch(r)))
         removed, left = 0, []
         for rel in tops:
             before = len(led.entries)
@@ -778,7 +785,35 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
             quote(os.path.relpath(p, real)) for p in left[:5]) + (" ..." if len(left) > 5 else "") if left else ""
         if removed or left:
             log.info(f"--overwrite: removed {removed} entries earlier runs of this stage made in {quote(real)}{kept}")
+    handoff.ready()  # a launcher waiting for this process to hold its folder
     return real
+
+
+def held_lock(folder, name=LOCK):
+    """This process's open file holding its lock on folder/name (what a launcher hands the stage it starts), or None."""
+    try:
+        st = os.lstat(os.path.join(os.path.realpath(folder), name))
+    except OSError:
+        return None
+    for fd in _held:
+        f = os.fstat(fd)
+        if (f.st_dev, f.st_ino) == (st.st_dev, st.st_ino):
+            return fd
+    return None
+
+
+def lock_holder(folder, shard=None):
+    """Who holds a lock a run with `shard` would need on `folder` (the text a refusal names), or None if all are free."""
+    real = os.path.realpath(folder)
+    if not os.path.isdir(real):
+        return None
+    for lock_name, mode in _locks(shard):
+        fd, free = _try_lock(real, lock_name, mode, create=False)
+        if fd is not None:
+            os.close(fd)
+        if not free:
+            return _holder(real, lock_name)
+    return None
 
 
 def _refuse_strangers_inside(real):

@@ -119,13 +119,38 @@ def resolve_prepared(flag, path):
     manifest = load_stage(flag, folder, "prepare")
     if not os.path.isfile(jsonl):
         raise UsageError(f"{flag} {path}: {jsonl} not found; rerun 01_prepare_dataset.py")
+    readable(flag, [jsonl])
     return jsonl, manifest
+
+
+def readable(flag, paths):
+    """Every file the run opens, openable for reading now: an unreadable one (mode 000, another user's) would stop
+    the run seconds after a preflight that only looked at names."""
+    from .outdir import quote
+    for p in paths:
+        try:
+            os.close(os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        except OSError as e:
+            raise UsageError(f"{flag}: cannot read {quote(p)} ({e.strerror}); the run opens it: fix its permissions")
+
+
+def model_inputs(model_path, trust_remote_code):
+    """The files of a local verifier folder that the run opens: config, tokenizer, weights and their index, and with
+    --trust-remote-code its code. (generation_config.json is optional to the loaders, which skip it when unreadable.)"""
+    from .verifier import TOKENIZER_FILES
+    if not os.path.isdir(model_path):
+        return []  # a hub id: the cache's files, read by the fingerprint
+    names = sorted(os.listdir(model_path))
+    keep = [n for n in names if n == "config.json" or n in TOKENIZER_FILES or n.endswith(
+        (".safetensors", ".bin", ".pt", ".gguf", ".index.json")) or (trust_remote_code and n.endswith(".py"))]
+    return [os.path.join(model_path, n) for n in keep if os.path.isfile(os.path.join(model_path, n))]
 
 
 def plan(args):
     """Every check that needs no model load (`args`: settings.Extract) -> the Plan --dry-run prints."""
     from . import outdir, verifier
     jsonl, prep = resolve_prepared("--prepared-data", args.prepared_data)
+    readable("--model-path", model_inputs(args.model_path, args.trust_remote_code))
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     diff = verifier.same_verifier(fp, prep["verifier"])
     if diff:

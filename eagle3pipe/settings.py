@@ -264,16 +264,24 @@ class Evaluate(Record):
     draft: list[str] = rule(path=True)
     prompts: str = rule(path=True)
     prepared_data: str = rule(path=True)
-    num_prompts: int = rule(ge=1)
+    num_prompts: int = rule(ge=1, le=100_000)
     num_speculative_tokens: int = rule(ge=1)
     max_new_tokens: int = rule(ge=1)
-    batch_sizes: list[int] = rule(ge=1)
+    batch_sizes: list[int] = rule(ge=1, le=4096)  # vLLM's max_num_seqs: its buffers are sized by the largest
     tp_size: int = rule(ge=1)
     output_dir: str = rule(path=True)
     trust_remote_code: bool = rule()
     dtype: str = rule(choices=DTYPES)
+    dry_run: bool = rule()
+
+    MAX_SPECULATIVE_TOKENS = 32
 
     def check(self):
+        if self.num_speculative_tokens > self.MAX_SPECULATIVE_TOKENS:
+            raise UsageError(f"--num-speculative-tokens {self.num_speculative_tokens}: at most "
+                             f"{self.MAX_SPECULATIVE_TOKENS} (the draft chains its own guesses, so past a few positions "
+                             f"almost nothing is accepted, and vLLM sizes its buffers by it); stage 04 trains for "
+                             f"--ttt-steps (3 by default)")
         if not self.batch_sizes:
             raise UsageError("--batch-sizes: give at least one size, e.g. 1,8")
         if not self.draft:

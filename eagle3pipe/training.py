@@ -20,6 +20,11 @@ from .hidden_states import SCALES, check_header, hs_path, load_sample, read_toke
 from .verifier import same_verifier
 
 STAGING = ".saving"  # speculators writes each checkpoint here; it is renamed into place once complete
+# what speculators' save writes into STAGING/<epoch> (Checkpointer: save_pretrained, the optimizer and scheduler
+# states, training_state.json, the command, validation metrics; config.py: the draft's code beside its config)
+SAVE_FILES = (r"config\.json|config\.py|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
+              r"model\.safetensors\.index\.json|optimizer_state_dict\.pt|scheduler_state_dict\.pt|"
+              r"training_state\.json|train_command\.txt|val_metrics\.json")
 DATASET_FILES = r"data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|\.done"  # datasets' save_to_disk, and ours
 
 log = logging.getLogger("eagle3")
@@ -113,9 +118,9 @@ class CheckedFiles:
     step 1. A bad sample is skipped and logged in logs/skipped.jsonl; more than MAX_BAD_SHARE of the rows (and more
     than one) stop the run with one line. Picklable: data-loader workers get a copy."""
 
-    def __init__(self, folder, n_states, hidden, skipped_log, rows, dtype="bfloat16"):
+    def __init__(self, folder, n_states, hidden, skipped_log, rows, dtype="bfloat16", failed=()):
         self.folder, self.n_states, self.hidden, self.skipped_log = folder, n_states, hidden, skipped_log
-        self.rows, self.dtype = rows, dtype
+        self.rows, self.dtype, self.failed = rows, dtype, frozenset(failed)
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -127,6 +132,8 @@ class CheckedFiles:
     def get_cached(self, file_idx):
         path = hs_path(self.folder, int(file_idx))
         if not os.path.lexists(path):
+            if int(file_idx) not in self.failed:  # stage 02 wrote it: gone since, a bad sample like any other
+                self.skip(int(file_idx), "missing (deleted since stage 02 wrote it)")
             return None  # a row stage 02 could not extract: speculators skips it
         reason, t = load_sample(path, self.n_states, self.hidden)
         if reason:
@@ -195,9 +202,10 @@ class OfflineData:
         if self.rank == 0:
             build_bridge(self.rows, self.bridge)
         wait_for_bridge(self.bridge)
+        failed = {int(i) for i in self.ext.get("failures", {})}  # no file: stage 02 could not extract them
         install_checked(CheckedFiles(os.path.abspath(self.args.hidden_states), len(self.ext["layer_ids"]),
                                      self.ext["verifier"]["hidden_size"], os.path.join(self.out, "logs", SKIPPED),
-                                     len(self.rows), self.dtype))
+                                     len(self.rows), self.dtype, failed))
         return self
 
     def __exit__(self, *exc):
@@ -429,6 +437,10 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
             if on_cpu:
                 self.local_rank, self.device_type = "cpu", "cpu"
             super().setup_model()
+            from .input_watch import BatchGuard  # a batch of no token is named and counted, never trained on silently
+            self.train_loader = BatchGuard(self.train_loader)
+            if self.val_loader is not None:
+                self.val_loader = BatchGuard(self.val_loader, "validation")
             steps = len(self.train_loader) * self.config.num_epochs
             dense_log.total = min(steps, max_steps) if max_steps else steps
 
@@ -451,6 +463,9 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
             previous checkpoint whole), and the links are made here."""
             root = self.checkpointer.path
             staged = root / STAGING / str(epoch)
+            if epoch != "interrupted":  # the inputs this run started from, still the same (input_watch)
+                from .input_watch import check_training
+                check_training()
             if self.rank == 0:
                 outdir.make_dir(str(root / STAGING))
                 discard_staged(str(staged))
@@ -462,6 +477,8 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
                 super().maybe_save_checkpoint(epoch, local_step)
             finally:
                 self.checkpointer.path = root
+            if self.rank == 0:  # speculators' readability link, made in STAGING: a kill must not leave it for --overwrite
+                outdir.clear_scratch(str(root / STAGING), r"epoch\d+_(end|step\d+)")
             saved = (staged / "config.json").exists()
             if self.rank == 0 and saved:
                 if epoch == "interrupted":  # speculators records no step for it: ours, so a rerun resumes from it
@@ -536,13 +553,15 @@ def best_acceptance(root, skip=None):
 
 
 def discard_staged(staged):
-    """Free STAGING/<epoch> for a new save. What the record proves ours goes. A save a kill cut short holds files
-    speculators wrote that no record lists, which cannot be told from a person's: nothing of it is deleted; the
-    folder (made by this stage) is moved aside to STAGING/.cut-short-<epoch>-<time> and the log says so."""
+    """Free STAGING/<epoch> for a new save. What the record proves ours goes, and so do the files a save cut short
+    left there under the names speculators saves (SAVE_FILES): the folder was made by this stage for that save alone
+    (outdir.clear_scratch's rule). Anything else in it is kept: the folder is moved aside to
+    STAGING/.cut-short-<epoch>-<time> and the log says so."""
     if not os.path.lexists(staged):
         return
     if not outdir.owned(staged):
         raise RunError(f"{outdir.quote(staged)}: not this stage's folder; move it away and rerun")
+    outdir.clear_scratch(staged, SAVE_FILES)
     if not outdir.remove(staged):
         return
     aside = os.path.join(os.path.dirname(staged), f".cut-short-{os.path.basename(staged)}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -618,14 +637,14 @@ def print_serve_command(args, out, text_cfg, on_cpu, arch="llama"):
     print(f"serve it{where}: {serve_command(args.model_path, last, args.ttt_steps, elsewhere, text_cfg)}")
 
 
-def prepare_output(args, identity, inputs, rank):
+def prepare_output(args, identity, inputs, rank, carry=lambda old: {}):
     """Rank 0 takes the folder (outdir.claim: only stage 04's own, the lock, --overwrite of exactly what earlier runs
     recorded) and resumes only with the same inputs. -> (the real output path, the manifest a finished earlier run
     left, or None)."""
     if rank != 0:
         return os.path.realpath(args.output_dir), None
     out, previous = files.take_output("--output-dir", args.output_dir, "train", identity, inputs,
-                                      "checkpoints", overwrite=args.overwrite)
+                                      "checkpoints", overwrite=args.overwrite, carry=carry)
     said = resume_state(out)
     if said:
         log.info(said)

@@ -87,6 +87,14 @@ def _hub_file(model_path, name, optional=False):
                          f"from the hub ({type(e).__name__}); give a local model folder")
 
 
+def check_positions(flag, positions, fp, what=None):
+    """Refuse `positions` beyond what the verifier handles (its max_position_embeddings), naming `flag`."""
+    most = fp.get("max_position_embeddings")
+    if isinstance(most, int) and positions > most:
+        raise UsageError(f"{flag}: {what or f'{positions:,} positions'} reach past the {most:,} positions the verifier "
+                         f"handles (its max_position_embeddings)")
+
+
 def model_files(model_path):
     """(config dict, folder holding the tokenizer files) for a local folder or a hub id."""
     if os.path.isdir(model_path):

@@ -9,9 +9,15 @@
 # where the CPU has it natively, float32 elsewhere: eagle3pipe/compute.py). vLLM's own output goes to each stage
 # folder's engine.log.
 # Outputs under data/ (prepared, hidden_states, vocab_map_8192, checkpoints, eval); a rerun resumes or
-# replaces each stage's own folder.
+# replaces each stage's own folder. NUM_SAMPLES, EPOCHS, NUM_PROMPTS: whole numbers >= 1; BUDGET_MIN: minutes > 0
+# (anything else, nan and inf included, is refused in one line before anything runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+whole() { [[ -z ${!1:-} || ${!1} =~ ^[1-9][0-9]{0,8}$ ]] || { echo "error: $1=${!1}: expected a whole number >= 1" >&2; exit 2; }; }
+for v in NUM_SAMPLES EPOCHS NUM_PROMPTS; do whole $v; done
+if [[ -n ${BUDGET_MIN:-} ]] && ! [[ $BUDGET_MIN =~ ^([0-9]{1,6}(\.[0-9]*)?|\.[0-9]+)$ && $BUDGET_MIN =~ [1-9] ]]; then
+  echo "error: BUDGET_MIN=$BUDGET_MIN: expected a number of minutes > 0 (e.g. 24 or 7.5)" >&2; exit 2
+fi
 bash scripts/setup.sh
 PY=.venv/bin/python
 CFG=configs/smollm2-135m.yaml
@@ -28,9 +34,12 @@ prev=$($PY -c 'import json; print(json.load(open("data/prepared/manifest.json"))
 if [ -z "${NUM_SAMPLES:-}" ] && [ -n "$prev" ] && [ "$prev" != None ]; then N=$prev; fi
 $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";          stamp "01 prepare"
 budget=(); [ -z "${NUM_SAMPLES:-}" ] && [ -z "$prev" ] && budget=(--budget-min "${BUDGET_MIN:-24}")
+rc=0
 fit=$($PY -m eagle3pipe.estimate --model-path $MODEL --prepared-data data/prepared --samples "$N" \
       --epochs "$EPOCHS" --num-prompts "$PROMPTS" --max-new-tokens 64 --batch-sizes 1,4 ${budget[@]+"${budget[@]}"}) \
-  || { echo "quickstart: the estimate failed (above); keeping $N conversations" >&2; fit=""; }
+  || rc=$?
+[ "$rc" -eq 2 ] && exit 2  # a refusal (its line is above): never a run of another size than asked
+[ "$rc" -ne 0 ] && { echo "quickstart: the estimate failed (above); keeping $N conversations" >&2; fit=""; }
 if [[ "$fit" =~ ^[0-9]+$ ]] && [ "$fit" -lt "$N" ]; then
   N=$fit
   $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";        stamp "01 prepare ($N conversations)"

@@ -254,3 +254,73 @@ def ds_mla(ds):
     """The MLA draft (`--draft-arch auto` chooses it for an MLA verifier), with fc_norm, trained one epoch on `ds` ->
     (stage 04's process, its output folder)."""
     return vocab_and_draft(ds, "mla", "--fc-norm")
+
+
+def marked_processes(mark):
+    """[(pid, command line)] of the live processes whose environment holds EAGLE3_TEST_MARK=`mark` (a test sets it
+    on the stage it starts; every process the stage starts inherits it)."""
+    found, needle = [], f"EAGLE3_TEST_MARK={mark}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                    continue
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                found.append((int(name), f.read().replace(b"\0", b" ").decode(errors="replace").strip()))
+        except (OSError, IndexError):
+            pass
+    return found
+
+
+def left_behind(mark, timeout=30):
+    """The processes still carrying `mark` after up to `timeout` seconds (none, once every one has ended)."""
+    deadline = time.time() + timeout
+    while marked_processes(mark) and time.time() < deadline:
+        time.sleep(0.2)
+    return marked_processes(mark)
+
+
+# ------------------------------------------------------------------ a stage SIGKILLed at a point of its engine's start
+
+def reached(point, err, mark):
+    """Whether the stage has got to `point`: a process of that kind exists among its own, or its log says so."""
+    cmds = [cmd for _, cmd in marked_processes(mark)]
+    if point == "lifeline":
+        return any("eagle3pipe/lifeline.py" in c for c in cmds)
+    spawned = [c for c in cmds if "EngineCore" in c or "multiprocessing" in c]  # vLLM's (no setproctitle: no title)
+    if point == "engine-core":  # vLLM's EngineCore is up: the model loads in it
+        return len(spawned) >= 1
+    if point == "worker":  # and its worker
+        return len(spawned) >= 2
+    if point == "hf-loading":
+        return any("eagle3pipe.hf_server" in c for c in cmds)
+    text = err.read_text(errors="replace")
+    return {"vllm-ready": "vLLM engine ready", "hf-ready": "extraction engine (hf, pid", "step": "step 1/"}[point] in text
+
+
+def killed_at(argv, point, tmp_path, term_first=False, timeout=900):
+    """Start the stage, SIGKILL it once `point` is reached (with `term_first`, SIGTERM a second before, as an
+    operator's `kill` then `kill -9`), then -> the processes left behind after up to 60 s."""
+    import signal
+    import uuid
+    mark, err = uuid.uuid4().hex, tmp_path / f"err-{point}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "EAGLE3_TEST_MARK": mark}
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=f, env=env)
+    deadline = time.time() + timeout
+    try:
+        while not reached(point, err, mark):
+            assert proc.poll() is None and time.time() < deadline, err.read_text()[-3000:]
+            time.sleep(0.1)
+        if term_first:
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(1)
+    finally:
+        proc.kill()
+        proc.wait()
+    return left_behind(mark, 60)

@@ -1,8 +1,10 @@
 """Stage 05 through its command line: refusals before any model loads, and which prompts are held out."""
 import json
+import os
 
 
-from conftest import assert_refused, run_script
+from conftest import assert_refused, run_script, snapshot
+from eagle3pipe.engine import visible_gpus
 
 
 def test_refusals(model_path, stages, trained, tmp_path):
@@ -30,7 +32,12 @@ def test_refusals(model_path, stages, trained, tmp_path):
         # a --prepared-data that is not stage 01's cannot say which prompts were trained on: refused, not guessed
         (["--prepared-data", str(stages["hs"])], ["--prepared-data", "is the output of stage 'extract'"]),
         (["--draft", str(out / "last"), str(out / "last")], ["named twice"]),
-    ]
+        # the flags against the verifier's positions and the device, before any draft or prompt is read
+        (["--num-speculative-tokens", "1000000"], ["--num-speculative-tokens 1000000", "at most 32"]),
+        (["--max-new-tokens", "1000000"], ["--max-new-tokens 1000000", "the verifier handles 8192"]),
+        (["--batch-sizes", "1,100000"], ["--batch-sizes [1, 100000]", "at most 4096"]),
+        (["--num-prompts", "10000000"], ["--num-prompts 10000000", "at most 100000"]),
+    ] + ([] if visible_gpus() else [(["--tp-size", "4"], ["--tp-size 4: no GPU visible"])])
     for extra, needles in cases:
         p, secs = run_script("05_evaluate.py", "--model-path", model_path, "--draft", str(out / "last"),
                              *(["--output-dir", str(tmp_path / "ev")] if "--output-dir" not in extra else []), *extra)
@@ -105,3 +112,25 @@ def test_several_drafts_are_named_by_their_run(model_path, trained, tmp_path):
     last = os.path.basename(os.path.realpath(out / "last"))
     epochs = sorted(n for n in os.listdir(other) if n.isdigit())
     assert [n for n, _ in found] == [f"{out.name}/{last}"] + [f"other-run/{e}" for e in epochs]
+
+
+def test_dry_run_checks_every_checkpoint_and_the_prompt_lengths_then_stops(model_path, stages, trained, tmp_path):
+    """--dry-run runs every check of a real run (each epoch's config and weights' headers, the flags, the prompts'
+    lengths through the tokenizer) and stops: vLLM never imported, nothing written. Prompts too long for the verifier's
+    positions with --max-new-tokens are one line, before the output folder is taken."""
+    out, _ = trained
+    before = snapshot(out)
+    common = ["05_evaluate.py", "--model-path", model_path, "--prepared-data", str(stages["prepared"]),
+              "--num-prompts", "3", "--output-dir", str(tmp_path / "ev")]
+    p, _ = run_script(*common, "--draft", str(out), "--dry-run")
+    assert p.returncode == 0, p.stderr[-3000:]
+    epochs = sorted(n for n in os.listdir(out) if n.isdigit())
+    assert f"dry run: {len(epochs)} checkpoint(s) checked ({', '.join(epochs)})" in p.stdout, p.stdout
+    assert "vllm" not in p.heavy and "speculators" not in p.heavy, p.heavy
+    # 8180 new tokens pass the check without prompts (8180 + 3 + 1 <= 8192); the prompts' own tokens do not fit
+    p, _ = run_script(*common, "--draft", str(out / "last"), "--max-new-tokens", "8180")
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith("error: --max-new-tokens 8180: the longest prompt (") and "8192" in lines[0], lines
+    assert "vllm" not in p.heavy, p.heavy
+    assert not (tmp_path / "ev").exists() and snapshot(out) == before

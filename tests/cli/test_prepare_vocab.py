@@ -122,6 +122,8 @@ def test_prepare_refuses_bad_flags_and_paths(tmp_path, model_path):
     cases = [
         (["--model-path", "/no/such/model"], ["--model-path /no/such/model"]),
         (["--model-path", model_path, "--max-seq-len", "0"], ["--max-seq-len 0"]),
+        (["--model-path", model_path, "--max-seq-len", "100000000000"],
+         ["--max-seq-len 100000000000: rows this long", "past the 8,192 positions the verifier handles"]),
         (["--model-path", model_path, "--num-smaples", "3"], ["did you mean --num-samples"]),
         (["--dataset", "sharegpt"], ["missing --model-path"]),
         (["--model-path", model_path, "--output-dir", str(tmp_path)], ["holds 'keep.txt'", "did not make"]),

@@ -1,6 +1,8 @@
 """Stage 04 through its command line: cross-stage refusals before anything heavy."""
 import shutil
+import subprocess
 
+import pytest
 
 from conftest import assert_refused, run_script, train_args
 
@@ -36,3 +38,49 @@ def test_cross_stage_refusals(stages, model_path, tmp_path):
         p, secs = run_script(*argv, *extra)
         assert_refused(p, secs, *needles)
     assert not out.exists()
+
+
+def _no_gpu():
+    from eagle3pipe.engine import visible_gpus
+    return not visible_gpus()
+
+
+# every numeric flag and the device against this machine, the data and the memory: one line each, before anything
+# heavy is imported and before --output-dir is made
+PREFLIGHT = [
+    (["--device", "cuda"], ["--device cuda: no GPU visible here"]),
+    (["--device", "cpu", "--loss-implementation", "fused"], ["--loss-implementation fused", "needs a GPU"]),
+    (["--total-seq-len", str(10**12)], [f"--total-seq-len {10**12}: more than all", "padded"]),
+    (["--ttt-steps", "100000"], ["--ttt-steps 100000: at most 16", "acceptance decays"]),
+    (["--epochs", "100000"], ["--epochs 100000: at most 1000"]),
+    (["--epochs", "3", "--checkpoint-freq", "1.5"], ["--checkpoint-freq 1.5", "whole number"]),
+    (["--epochs", "3", "--checkpoint-freq", "2"], ["--checkpoint-freq 2 with --epochs 3", "last epoch would not be saved"]),
+    (["--checkpoint-freq", "0.001"], ["--checkpoint-freq 0.001: at least 0.01"]),
+    (["--warmup-steps", "100000"], ["--warmup-steps 100000", "never reach --lr"]),
+    (["--num-workers", "100000"], ["--num-workers 100000", "CPU cores"]),
+]
+
+
+@pytest.mark.parametrize("extra,needles", PREFLIGHT, ids=[" ".join(c[0])[:40] for c in PREFLIGHT])
+def test_preflight_refuses_what_would_fail_after_the_model_loaded(stages, model_path, tmp_path, extra, needles):
+    if extra[:2] == ["--device", "cuda"] and not _no_gpu():
+        pytest.skip("a GPU is visible here")
+    out = tmp_path / "out"
+    assert_refused(*run_script(*train_args(model_path, stages, out, *extra)), *needles)
+    assert not out.exists()
+
+
+def test_disk_preflight_counts_the_checkpoints_it_keeps(stages, model_path, tmp_path):
+    """Ten epochs keep ten checkpoints of about 0.08 GB (the SmolLM2 draft and its optimizer state), the one being
+    saved and an `interrupted` one: refused on a 64 MB filesystem before anything is written."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        line = assert_refused(*run_script(*train_args(model_path, stages, disk / "out", "--epochs", "10")),
+                              f"--output-dir {disk / 'out'}: needs about", "12 checkpoints of", "free")
+        assert not (disk / "out").exists(), line
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

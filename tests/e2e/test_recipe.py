@@ -28,7 +28,8 @@ def test_every_lever_trains_and_stage05_ranks_the_checkpoints_through_vllm(model
     assert man["best_expected_acceptance"] > 1 and os.path.islink(out / "checkpoint_best")
     # the same folder with another recipe is another run: refused, not resumed
     p, secs = run_script(*train_args(model_path, stages, out, "--epochs", "2"))
-    assert_refused(p, secs, "holds checkpoints of another run (recipe differs)")
+    assert_refused(p, secs, "holds a run with other settings", "--lr 0.003 -> 0.001", "--draft-arch qwen3 -> llama",
+                   "--optimizer adamw -> muon", "--overwrite")
 
     ev = tmp_path / "ev"
     p, _ = run_script("05_evaluate.py", "--model-path", model_path, "--draft", str(out), "--prepared-data",

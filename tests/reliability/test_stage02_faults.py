@@ -3,6 +3,7 @@ a run (two here, three in slow/test_faults.py), SIGTERM, a disk that fills mid-r
 the same command must finish with every row's file present and valid and the manifest right."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +17,11 @@ from eagle3pipe.hidden_states import check_file, hs_path
 
 
 def test_sigterm_finishes_the_batch_in_flight_and_says_how_to_resume(stages, model_path, tmp_path):
+    """...and the rerun, under another --dtype, records both compute dtypes: the stopped run's too."""
     out = tmp_path / "hs"
     err = open(tmp_path / "err", "w")
-    proc = subprocess.Popen([sys.executable, *cmd(model_path, stages["prepared"], out, "--batch-size", "1")],
+    proc = subprocess.Popen([sys.executable, *cmd(model_path, stages["prepared"], out, "--batch-size", "1", "--dtype",
+                                                  "bfloat16")],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.time() + 300
     while time.time() < deadline and not (out.exists() and any(n.startswith("hs_") for n in os.listdir(out))):
@@ -32,9 +35,38 @@ def test_sigterm_finishes_the_batch_in_flight_and_says_how_to_resume(stages, mod
     done = [n for n in os.listdir(out) if n.startswith("hs_")]
     assert 0 < len(done) < len(rows_of(stages["prepared"]))
     assert not [n for n in os.listdir(out) if ".tmp-" in n]
-    p, _ = run_script(*cmd(model_path, stages["prepared"], out))
+    p, _ = run_script(*cmd(model_path, stages["prepared"], out, "--dtype", "float32"))
     assert p.returncode == 0, p.stderr[-2000:]
-    assert assert_complete(stages["prepared"], out)["counts"]["resumed"] == len(done)
+    m = assert_complete(stages["prepared"], out)
+    assert m["counts"]["resumed"] == len(done)
+    assert m["compute_dtypes"] == ["bfloat16", "float32"] and m["compute_dtype"] == "mixed", m["compute_dtypes"]
+
+
+def test_stage01_rewritten_under_a_running_stage02_stops_it_with_one_line(stages, model_path, tmp_path):
+    """Stage 01 reruns into the folder stage 02 is reading: stage 02 stops with one line naming it (exit 1), before
+    it writes a manifest over files of two inputs."""
+    prep, out = tmp_path / "prepared", tmp_path / "hs"
+    shutil.copytree(stages["prepared"], prep)
+    err = open(tmp_path / "err", "w")
+    proc = subprocess.Popen([sys.executable, *cmd(model_path, prep, out, "--batch-size", "1")], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out.exists() and any(n.startswith("hs_") for n in os.listdir(out))):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGSTOP)  # held while stage 01 rewrites its input
+    try:
+        p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "6", "--max-seq-len",
+                          "512", "--output-dir", str(prep))
+        assert p.returncode == 0, p.stderr[-2000:]
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    rc = proc.wait(timeout=300)
+    err.close()
+    text = (tmp_path / "err").read_text()
+    lines = [line for line in text.splitlines() if line.startswith("error:")]
+    assert rc == 1 and len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    assert f"--prepared-data {prep}: changed while this stage ran" in lines[0], lines
+    assert not (out / "manifest.json").exists()
 
 
 @pytest.fixture

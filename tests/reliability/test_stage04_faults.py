@@ -90,3 +90,43 @@ def test_bad_hidden_states_are_named_where_read_and_stop_the_run_beyond_a_share(
 
 def test_a_kill_inside_a_checkpoint_save_then_the_same_command_resumes(stages, model_path, tmp_path):
     stage04_killed_in_save("save:2", stages, model_path, tmp_path)  # publish:1: slow/test_faults.py
+
+
+def test_a_rerun_resumes_only_the_same_run_and_inputs_deleted_under_it_stop_it(stages, model_path, tmp_path):
+    """Killed once its first checkpoint is on disk, the run is rerun with another --lr, --total-seq-len and
+    --val-ratio: refused in one line naming each (old -> new), before anything loads, nothing written. With
+    --overwrite it restarts from step 1; its hidden-state files deleted after that step stop it with one line
+    (exit 1): a missing sample is a bad sample, never an empty batch trained on in silence."""
+    from conftest import snapshot
+    hs = tmp_path / "hs"
+    shutil.copytree(stages["hs"], hs)  # deleted below
+    d = dict(stages, hs=hs)
+    out = tmp_path / "draft"
+    first = ["--epochs", "1", "--checkpoint-freq", "0.25"]  # 1,024 tokens a batch: the first save after 2 steps
+    p, _ = run_script(*train_args(model_path, d, out, *first), env={"EAGLE3_INJECT_KILL": "save"})
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    before = snapshot(out)
+    other = ["--epochs", "1", "--checkpoint-freq", "0.25", "--total-seq-len", "512", "--lr", "2e-3", "--val-ratio", "0.1"]
+    assert_refused(*run_script(*train_args(model_path, d, out, *other)), "--total-seq-len 1024 -> 512",
+                   "--lr 0.001 -> 0.002", "--val-ratio 0.05 -> 0.1", "--overwrite")
+    assert snapshot(out) == before
+    err = open(tmp_path / "again.err", "w")
+    proc = subprocess.Popen([sys.executable, *train_args(model_path, d, out, *other, "--overwrite")], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and "step 1/" not in (tmp_path / "again.err").read_text():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGSTOP)  # between steps, deterministically
+    text = (tmp_path / "again.err").read_text()
+    assert re.findall(r"step (\d+)/", text)[:1] == ["1"] and "Resuming" not in text, text[-3000:]
+    assert not (out / ".saving" / "0").exists()  # the killed run's save went with --overwrite
+    for f in hs.glob("hs_*.safetensors"):
+        f.unlink()
+    proc.send_signal(signal.SIGCONT)
+    rc = proc.wait(timeout=300)
+    err.close()
+    text = (tmp_path / "again.err").read_text()
+    lines = [line for line in text.splitlines() if line.startswith("error:")]
+    assert rc == 1 and len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    assert "--hidden-states" in lines[0] and "samples are bad" in lines[0] and "missing" in lines[0], lines
+    assert not (out / "manifest.json").exists()

@@ -399,9 +399,10 @@ def test_a_subfolder_swapped_for_a_link_after_its_check_is_never_written_through
     assert os.listdir(outside) == []
 
 
-def test_a_save_cut_short_is_moved_aside_never_deleted(tmp_path, caplog):
-    """speculators' files of a save a kill cut short are in no record: they cannot be told from a person's, so
-    nothing of them is deleted; what the record proves ours goes."""
+def test_a_save_cut_short_keeps_only_what_speculators_did_not_write(tmp_path, caplog):
+    """A save a kill cut short: what the record proves ours goes, and so do the files under speculators' save names
+    (training.SAVE_FILES) in the folder the stage made for that save alone; a person's file there is kept, the folder
+    moved aside with it. A folder of speculators' files only simply goes."""
     from eagle3pipe import training
     d = tmp_path / "ck"
     _claim(d, "train")
@@ -417,11 +418,14 @@ def test_a_save_cut_short_is_moved_aside_never_deleted(tmp_path, caplog):
     assert not os.path.exists(staged)
     aside = [n for n in os.listdir(d / ".saving") if n.startswith(".cut-short-2-")]
     assert len(aside) == 1 and "moved to" in caplog.text
-    assert sorted(os.listdir(d / ".saving" / aside[0])) == ["model.safetensors", "my_analysis.py"]
+    assert sorted(os.listdir(d / ".saving" / aside[0])) == ["my_analysis.py"]
     assert (d / ".saving" / aside[0] / "my_analysis.py").read_text() == "print('mine')\n"
     outdir.make_dir(staged)  # the name is free for the next save
-    training.discard_staged(staged)  # an empty staged folder of ours simply goes
-    assert not os.path.exists(staged)
+    for name in ("model.safetensors", "optimizer_state_dict.pt"):  # a save cut short, nobody else's file in it
+        with open(os.path.join(staged, name), "wb") as f:
+            f.write(b"\0" * 100)
+    training.discard_staged(staged)
+    assert not os.path.exists(staged) and len(os.listdir(d / ".saving")) == 1
 
 
 def test_only_an_engine_s_finished_files_are_cleared_from_a_spool(tmp_path):

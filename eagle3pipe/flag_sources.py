@@ -1,0 +1,74 @@
+"""Where each setting came from (an explicit flag, the `--config` file, or the default), and the contradictions
+between them: a setting that the others make meaningless.
+
+A flag the operator typed and the run then ignores is a silent contradiction (`--hidden-states X` beside a config's
+`online: true` started an engine and never read X). So a setting that the resolved settings ignore is refused, in one
+line naming both sides, when the operator gave it explicitly, or when a config gave it and an explicit flag is what
+makes it meaningless (`tp_size: 8` in a config, `--backend hf` on the command line). Between two keys of one config it
+is accepted: a config's top level is shared by every stage, and the Kimi config's `tp_size` is stage 05's too.
+"""
+from .errors import UsageError
+
+# stage -> [(setting, matters(record) -> bool, the settings that decide it, why it is ignored)]
+IGNORED_UNLESS = {
+    "prepare": [(name, lambda r: r.regenerate, ("regenerate",), "it sets up --regenerate")
+                for name in ("regen_temperature", "regen_max_tokens", "regen_batch_size", "regen_tp_size")],
+    "extract": [
+        ("tp_size", lambda r: r.backend == "vllm" or r.tp_size == 1, ("backend",),
+         "the hf backend has no tensor parallelism (it runs on one device)"),
+        ("gpu_memory_utilization", lambda r: r.backend == "vllm", ("backend",), "it is the vllm backend's setting"),
+    ],
+    "train": [
+        ("hidden_states", lambda r: not r.online, ("online",),
+         "offline training reads stage 02's folder; --online generates the states instead"),
+        ("backend", lambda r: r.online, ("online",), "it picks the engine --online starts"),
+        ("engine_timeout", lambda r: r.online, ("online",), "it bounds the start of the engine --online starts"),
+    ],
+}
+
+
+def explicit(parser, argv):
+    """{dest: the flag as typed} for every option given on the command line (abbreviations are off)."""
+    by_flag = parser._option_string_actions  # argparse's own index of its options (public since 3.x, undocumented)
+    given = {}
+    for token in argv:
+        if not token.startswith("--"):
+            continue
+        action = by_flag.get(token.split("=", 1)[0])
+        if action is not None:
+            given.setdefault(action.dest, token.split("=", 1)[0])
+    return given
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def _config_words(name, value, config_path):
+    shown = str(value).lower() if isinstance(value, bool) else value
+    return f"'{name}: {shown}' in --config {config_path}"
+
+
+def refuse_contradictions(stage, record, flags, config, config_path):
+    """One line, exit 2, for the first setting the record ignores that the operator asked for (see the module's
+    docstring). `flags`: {dest: flag typed}; `config`: the fields the config file set."""
+    for name, matters, deciders, why in IGNORED_UNLESS.get(stage, []):
+        if matters(record):
+            continue
+        value = getattr(record, name)
+        decider = deciders[0]
+        decided = getattr(record, decider)
+        if decider in flags:
+            decider_words = flags[decider] + ("" if isinstance(decided, bool) else f" {decided}")
+        elif decider in config:
+            decider_words = _config_words(decider, decided, config_path)
+        else:
+            decider_words = f"{_flag(decider)} {decided} (the default)"
+        if name in flags and decided is False and decider not in config and decider not in flags:
+            raise UsageError(f"{flags[name]} {value}: only with {_flag(decider)} ({why}); drop it, or add "
+                             f"{_flag(decider)}")
+        if name in flags:
+            raise UsageError(f"{flags[name]} {value} contradicts {decider_words}: {why}; drop one of them")
+        if name in config and decider in flags:
+            raise UsageError(f"{_config_words(name, value, config_path)} contradicts {decider_words}: {why}; remove "
+                             f"the key, or override it with {_flag(name)}")

@@ -1,0 +1,86 @@
+"""Which files in an engine's spool are the engine's, made for this run: the only ones a stage deletes there.
+
+An engine (vLLM's connector, ours, hf_server.py) writes each prompt's states to a file in a spool folder and names
+it in its answer; the stage reads it and deletes it. The record (outdir.py) cannot list these files: another
+process made them. So a file is deleted only if everything about it says it is such a file:
+- a plain file with one link, in the engine's format: a safetensors header holding exactly `hidden_states` and
+  `token_ids` (a person's weights, notes or archive of any name are not);
+- its lock: an empty plain file `<file>.lock` beside such a file (the connector's; a lock beside a person's file,
+  or beside nothing in a shared folder, stays);
+- in a spool the stage does not own (`foreign`: an `--engine-spool` shared with an engine at --engine-address and
+  with people), also made after this process started (its status change time, which no tool sets back, with `SKEW`
+  seconds for a file server's clock): a file that was there before the run, whatever its name or format, is never
+  this run's.
+Pure checks: nothing here deletes (outdir.remove_spool_file and engine.clear_spool do).
+"""
+import logging
+import os
+import stat
+
+SKEW = 1.0  # seconds a shared filesystem's clock may lag this machine's (NTP keeps them far closer); a file kept
+            # for its age is named in a warning (it is left, never lost)
+_start = []
+_warned = []
+
+
+def process_start():
+    """When this process started (seconds since the epoch); a spawned data-loader worker has its own, later one,
+    which only narrows what it may delete (the files it asks for are made after it started)."""
+    if not _start:
+        t = None
+        import time
+        try:
+            with open("/proc/self/stat", "rb") as f:
+                ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+            with open("/proc/uptime") as f:
+                uptime = float(f.read().split()[0])
+            t = time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))  # to 10 ms (btime is whole seconds)
+        except (OSError, ValueError, IndexError):
+            pass
+        _start.append(t if t is not None else time.time())
+    return _start[0]
+
+
+def _plain(path, foreign, st=None):
+    try:
+        st = st or os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        return None
+    if foreign and st.st_ctime < process_start() - SKEW:
+        return None
+    return st
+
+
+def engine_made(path, foreign=False):
+    """True if `path` is an engine's finished file as above (`foreign`: in a spool the stage does not own)."""
+    from .hidden_states import read_header
+    if not path.endswith(".safetensors") or _plain(path, False) is None:
+        return False
+    try:
+        fmt = set(read_header(path)[0]) - {"__metadata__"} == {"hidden_states", "token_ids"}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+    if fmt and foreign and _plain(path, True) is None:
+        if not _warned:
+            _warned.append(path)
+            logging.getLogger("eagle3").warning(
+                f"{path}: an engine named this file, which was there before this run (or its file server's clock "
+                f"lags this machine's by more than {SKEW:.0f} s): it stays, as does every such file in that spool")
+        return False
+    return fmt
+
+
+def engine_lock(lock, foreign=False, beside_nothing=False):
+    """True if `lock` is the connector's lock of an engine's file: empty, plain, named `<file>.lock`, beside that
+    engine's file (or, with `beside_nothing`, in a spool the stage owns, beside nothing: the file never came)."""
+    if not lock.endswith(".safetensors.lock"):
+        return False
+    st = _plain(lock, foreign)
+    if st is None or st.st_size:
+        return False
+    path = lock[:-len(".lock")]
+    if os.path.lexists(path):
+        return engine_made(path, foreign)
+    return beside_nothing and not foreign

@@ -1,0 +1,39 @@
+"""A setting that the others make meaningless is refused in one line naming both sides, before anything loads, when
+the operator asked for it: on the command line, or in a config beside the explicit flag that voids it. Two keys of
+one config are accepted (a config's top level is shared by every stage)."""
+import pytest
+
+from conftest import assert_refused, run_script
+
+MODEL = "data/models/smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize("script,config,argv,needles", [
+    ("04_train.py", "online: true\ncache_gb: 1\n", ["--hidden-states", "{t}/hs"],
+     ["--hidden-states {t}/hs contradicts 'online: true' in --config {t}/c.yaml", "offline training reads"]),
+    ("04_train.py", "", ["--online", "--hidden-states", "{t}/hs"], ["--hidden-states {t}/hs contradicts --online"]),
+    ("04_train.py", "", ["--backend", "hf"], ["--backend hf: only with --online"]),
+    ("04_train.py", "online: false\n", ["--engine-timeout", "30"],
+     ["--engine-timeout 30 contradicts 'online: false' in --config {t}/c.yaml"]),
+    ("02_extract_hidden_states.py", "tp_size: 8\n", ["--backend", "hf", "--dry-run"],
+     ["'tp_size: 8' in --config {t}/c.yaml contradicts --backend hf", "override it with --tp-size"]),
+    ("02_extract_hidden_states.py", "backend: hf\n", ["--tp-size", "2", "--dry-run"],
+     ["--tp-size 2 contradicts 'backend: hf' in --config {t}/c.yaml", "no tensor parallelism"]),
+    ("02_extract_hidden_states.py", "backend: hf\n", ["--gpu-memory-utilization", "0.5", "--dry-run"],
+     ["--gpu-memory-utilization 0.5 contradicts 'backend: hf'"]),
+    ("01_prepare_dataset.py", "", ["--regen-temperature", "0.5"], ["--regen-temperature 0.5: only with --regenerate"]),
+])
+def test_a_flag_the_settings_ignore_is_refused_naming_both(tmp_path, script, config, argv, needles):
+    (tmp_path / "c.yaml").write_text(f"model_path: {MODEL}\n" + config)
+    argv = [a.format(t=tmp_path) for a in argv]
+    p, secs = run_script(script, "--config", str(tmp_path / "c.yaml"), *argv, "--output-dir", str(tmp_path / "out"))
+    assert_refused(p, secs, *[n.format(t=tmp_path) for n in needles])
+    assert not (tmp_path / "out").exists()
+
+
+def test_keys_of_one_config_voiding_each_other_are_accepted(tmp_path):
+    """A config's top-level `backend: hf` serves stage 02; stage 04 trains offline from the same config and ignores
+    it: the settings pass, and stage 04 goes on to check its inputs."""
+    (tmp_path / "c.yaml").write_text(f"model_path: {MODEL}\nbackend: hf\nprepared_data: {tmp_path}/none\n")
+    p, secs = run_script("04_train.py", "--config", str(tmp_path / "c.yaml"), "--output-dir", str(tmp_path / "out"))
+    assert_refused(p, secs, f"--prepared-data {tmp_path}/none")
