@@ -758,8 +758,9 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None):
     """speculators' own training entry point, with our Trainer subclass and dense log attached (adapters.py, for the
     run only); `dtype` the compute dtype (train_config's); `loaders`: a context that adapts speculators' data loaders
     for the run (online.loaders), or None."""
-    from . import adapters
+    from . import adapters, lifeline
     import warnings
+    lifeline.start()  # data-loader and compile workers die with the stage too, however it ends
     warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
     # float32 compute: autocast says it does not know float32 and turns itself off, which is the point
     warnings.filterwarnings("ignore", message=".*autocast.*(not supported|only supports).*")

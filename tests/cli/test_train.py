@@ -50,7 +50,7 @@ def _no_gpu():
 PREFLIGHT = [
     (["--device", "cuda"], ["--device cuda: no GPU visible here"]),
     (["--device", "cpu", "--loss-implementation", "fused"], ["--loss-implementation fused", "needs a GPU"]),
-    (["--total-seq-len", str(10**12)], [f"--total-seq-len {10**12}: more than all", "padded"]),
+    (["--total-seq-len", str(10**12)], [f"--total-seq-len {10**12}: one step needs at least", "use at most"]),
     (["--ttt-steps", "100000"], ["--ttt-steps 100000: at most 16", "acceptance decays"]),
     (["--epochs", "100000"], ["--epochs 100000: at most 1000"]),
     (["--epochs", "3", "--checkpoint-freq", "1.5"], ["--checkpoint-freq 1.5", "whole number"]),
