@@ -21,6 +21,7 @@ In order (steps 1-3 stop at the first problem with one line, `error: ...`, exit 
    them are printed.
 """
 import dataclasses
+import logging
 import os
 import re
 import select
@@ -181,12 +182,13 @@ def preflight_run(r):
         print(preflight.format_plan(plan), flush=True)
         _, real = prepare_output(dataclasses.replace(r.args, dry_run=True), plan)
     finally:
-        if r.gpus is not None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None) if saved is None else \
-                os.environ.__setitem__("CUDA_VISIBLE_DEVICES", saved)
-    for warning in (plan.compute.warning, plan.warning):
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    for warning in (plan.compute.warning, plan.warning):  # after every refusal, as the stage does
         if warning:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
+            logging.getLogger("eagle3").warning(warning)
     return os.path.realpath(real)
 
 
