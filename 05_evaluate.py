@@ -54,13 +54,13 @@ def main():
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     gpus = engine.visible_gpus()
     draft_check.check_run(args, fp, tc, gpus)  # the flags against the verifier's positions and the GPUs
+    conversations.check_dataset(args.prompts, "--prompts")
     drafts, mismatches = evaluation.drafts_to_measure(args.draft, fp, tc, args.tp_size, args.num_speculative_tokens)
     from eagle3pipe.mla_draft import is_mla_checkpoint
     blocker = engine.eagle3_blocker(tc, bool(gpus), mla_draft=all(is_mla_checkpoint(p) for _, p in drafts))
     if blocker:  # refused in seconds, not after the verifier's load
         raise cli.UsageError(f"--model-path {args.model_path}: cannot evaluate an eagle3 draft here: {blocker}; run "
                              f"stage 05 on a GPU machine")
-    conversations.check_dataset(args.prompts, "--prompts")
     inputs = [("--model-path", args.model_path), ("--prompts", args.prompts), ("--prepared-data", args.prepared_data)]
     for d in args.draft:  # nothing goes inside a draft's stage 04 folder
         run = os.path.dirname(os.path.realpath(d)) if os.path.isfile(os.path.join(d, "config.json")) else d

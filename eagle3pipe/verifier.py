@@ -275,6 +275,9 @@ def resolve_layer_ids(ids, n, flag="--layer-ids"):
                          f"{n}-layer verifier (id {n} = last layer, always stored)")
     if len(set(ids)) != len(ids):
         raise UsageError(f"{flag} {ids}: ids must be distinct")
+    if ids != sorted(ids):  # vLLM hands a served draft its auxiliary states in layer order, whatever order it trained on
+        raise UsageError(f"{flag} {ids}: give the ids in ascending order ({','.join(map(str, sorted(ids)))}); vLLM "
+                         f"serves a draft its auxiliary states in layer order")
     if not ids:
         raise UsageError(f"{flag}: give at least one auxiliary layer id")
     return ids + [n]
