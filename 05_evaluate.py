@@ -70,10 +70,9 @@ def main():
     train_metrics, cut = evaluation.read_train_metrics(drafts[0][1])
     prompts = evaluation.select_prompts(args, skip)
     # the one check that needs the tokenizer (transformers), after every cheap one and before the folder is taken
-    from eagle3pipe.masks import load_tokenizer
+    from eagle3pipe.masks import load_tokenizer, prompt_ids
     tok = load_tokenizer(args.model_path, args.trust_remote_code)
-    ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-           for p in prompts]
+    ids = [prompt_ids(tok, p) for p in prompts]  # each render within the template's time budget
     max_len = draft_check.max_model_len(max(len(i) for i in ids), args, fp.get("max_position_embeddings"))
     dtype = compute.resolve(args.dtype, bool(gpus))
     warnings = [w for w in [unknown, cut] + mismatches if w]
