@@ -73,19 +73,22 @@ def read_conversations(args, log):
 def main():
     args = parse_args()
     log = cli.setup_logging()
-    fp, _ = verifier.open_verifier(args.model_path, args.trust_remote_code)
+    fp, text_cfg = verifier.open_verifier(args.model_path, args.trust_remote_code)
     verifier.check_positions(f"--max-seq-len {args.max_seq_len}", args.max_seq_len + 1, fp, "rows this long (and the "
                              "position stage 02 reads past one)")
+    if args.regenerate:
+        regenerate.check(args, text_cfg)
     conversations.check_dataset(args.dataset)
     inputs = [("--model-path", args.model_path), ("--dataset", args.dataset)]
     outdir.check("--output-dir", args.output_dir, "prepare", inputs)
     records, n_read, skipped, info = read_conversations(args, log)
+    from eagle3pipe import masks
+    tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
+    masks.probe_template(tok, records)  # a template that loops is refused before the folder is taken
     out = outdir.claim("--output-dir", args.output_dir, "prepare", inputs)  # held until the process exits
 
     import numpy as np
-    from eagle3pipe import masks
     from eagle3pipe.progress import Progress
-    tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
     regen = None
     if args.regenerate:
         records, counts_regen, answers = regenerate.run(records, tok, args, out)

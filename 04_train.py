@@ -126,7 +126,7 @@ def main():
     states = online_plan.plan(args, fp, tc, longest, layer_ids) if args.online else None
     if states and states.trainer_cvd:
         os.environ["CUDA_VISIBLE_DEVICES"] = states.trainer_cvd  # training keeps off the engine's GPUs
-    identity = train_plan.run_identity(args, prep, ext, voc, recipe)
+    identity = train_plan.run_identity(args, prep, ext, voc, recipe, dtype.dtype)
     if rank == 0:  # an earlier run here resumes only if it is this run: else every differing setting, in one line
         train_plan.check_resume(args, identity)
     watch = input_watch.stage04_inputs(args, prep, ext, voc)

@@ -41,6 +41,10 @@ def parse_args(argv=None):
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--output-dir", default="data/eval", help="stage 05 output folder")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--measure", choices=["auto", "on", "off"], default="auto",
+                   help="also measure acceptance without vLLM (eagle3pipe/acceptance.py: the verifier's greedy "
+                        "continuations through transformers in float32, then one forward per draft) and report it "
+                        "beside vLLM's figure; auto: on when the verifier's weights are at most 10 GB")
     p.add_argument("--dry-run", action="store_true", help="run every check (the drafts' configs and weights' headers, "
                    "the flags against the verifier and the GPUs, the prompts' lengths), then stop: nothing loaded or "
                    "written")
@@ -98,12 +102,13 @@ def main():
         return evaluation.run_engine(args.model_path, ids, sizes, args.max_new_tokens, draft=path,
                                      k=args.num_speculative_tokens, reference=base[1]["outputs"], **common)
     ranking, spec = evaluation.rank(drafts, spec_run)  # each checkpoint on the same prompts, the best first
+    measured = evaluation.measure_without_vllm(args, drafts, ids, bool(gpus), ranking)
     best = ranking[0]["draft"]
     ranking = ranking if len(drafts) > 1 else None
     diffs = spec[1].pop("divergences")
     report = {
         "draft": os.path.realpath(best), "ranking": ranking, "trainer_vs_vllm": evaluation.reconcile(best, spec[1]),
-        "config_mismatches": mismatches,
+        "config_mismatches": mismatches, "measure_vs_vllm": measured,
         "acceptance_length": spec[max(sizes)]["acceptance_length"], "num_prompts": len(prompts),
         "compute_dtype": dtype.dtype,
         "greedy_identical_at_batch_1": f"{len(prompts) - len(diffs)}/{len(prompts)}", "greedy_divergences": diffs,

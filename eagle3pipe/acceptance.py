@@ -214,3 +214,25 @@ def measure(draft_path, verifier_path, prompts_ids, k, max_new_tokens, dtype="fl
     out = score(model, refs, k, max_new_tokens, stop_ids(verifier_path, trust_remote_code))
     out.update(reference_seconds=round(t1 - t0, 2), seconds=round(time.time() - t1, 2))
     return out
+
+
+MEASURE_MAX_WEIGHT_BYTES = 10 << 30  # auto: a verifier this small also runs in float32 through transformers, here
+
+
+def measure_all(drafts, verifier_path, prompts_ids, k, max_new_tokens, device="cpu", trust_remote_code=False):
+    """Stage 05's measure beside vLLM: each (name, path) draft on the same prompts; one set of references per set of
+    auxiliary layer ids (the verifier runs once for drafts of one run). Float32, where agreement with vLLM's counters
+    was shown. -> {name: score()'s dict plus "seconds"}, and the seconds the references took."""
+    loaded = [(name, *load_draft(path, "float32", device, verifier_path)) for name, path in drafts]
+    stops, refs, out, ref_seconds = stop_ids(verifier_path, trust_remote_code), {}, {}, 0.0
+    for name, model, layer_ids in loaded:
+        key = tuple(layer_ids)
+        if key not in refs:
+            t0 = time.time()
+            refs[key] = references(verifier_path, prompts_ids, k, max_new_tokens, layer_ids, "float32", device,
+                                   trust_remote_code)
+            ref_seconds += time.time() - t0
+        t0 = time.time()
+        out[name] = score(model, refs[key], k, max_new_tokens, stops)
+        out[name]["seconds"] = round(time.time() - t0, 2)
+    return out, round(ref_seconds, 2)

@@ -16,6 +16,7 @@ import errno
 import logging
 import os
 import re
+import signal
 import sys
 import typing
 
@@ -75,12 +76,14 @@ def run(main, exit_now=False):
     traceback first. `exit_now`: once main() has returned (its files written, its lock no longer needed), leave
     without waiting for the interpreter's shutdown, which in stage 04 waits minutes on data-loader and compile
     worker processes and their semaphores."""
+    _stop_on_signals()
     try:
         code = main()
-    except KeyboardInterrupt:
-        print("error: stopped by a signal (Ctrl-C or SIGTERM); rerun the same command to resume", file=sys.stderr,
-              flush=True)
-        code = 130
+    except KeyboardInterrupt as e:
+        sig = getattr(e, "signum", signal.SIGINT)
+        print(f"error: stopped by a signal ({signal.Signals(sig).name}); rerun the same command to resume",
+              file=sys.stderr, flush=True)
+        code = 128 + sig
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - the one place every failure becomes one line
@@ -107,6 +110,22 @@ def run(main, exit_now=False):
         if exit_now:
             os._exit(code or 0)
     sys.exit(code or 0)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP where the stage set no handler of its own: the same way out as Ctrl-C (one line)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on_signals():
+    def stop(signum, frame):
+        raise Stopped(signum)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:  # nohup's ignored SIGHUP stays ignored
+            signal.signal(sig, stop)
 
 
 def add_dtype_flag(parser, what="the model"):
@@ -167,9 +186,12 @@ class Parser(argparse.ArgumentParser):
 def int_list(text):
     """`2,15,27` or `2 15 27` -> [2, 15, 27]."""
     try:
-        return [int(x) for x in re.split(r"[,\s]+", text.strip()) if x]
+        values = [int(x) for x in re.split(r"[,\s]+", text.strip()) if x]
     except ValueError:
+        values = None
+    if not values:  # an empty list would silently mean the default
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
+    return values
 
 
 def shard(text):
@@ -302,6 +324,8 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
     if derive:
         derive(args)
     record = RECORDS[section].from_args(args)
+    from .deadlines import check_environment
+    check_environment()
     from .flag_sources import explicit, refuse_contradictions
     given = explicit(parser, sys.argv[1:] if argv is None else argv)
     refuse_contradictions(section, record, given, set(configured) - set(given), known.config)

@@ -19,7 +19,12 @@ import threading
 from .errors import UsageError
 
 
-def _seconds(name, default):
+MOST = 86400.0  # seconds: a day; past it a limit is no deadline (and setitimer overflows long before 1e12)
+# the environment's knobs of waits: (name, default, least); every stage checks them all at once (check_environment)
+KNOBS = {"EAGLE3_HUB_TIMEOUT_S": 30.0, "EAGLE3_TEMPLATE_TIMEOUT_S": 10.0, "EAGLE3_LIFELINE_GRACE": 5.0}
+
+
+def _seconds(name, default, zero_ok=False):
     text = os.environ.get(name)
     if text is None or text == "":
         return default
@@ -27,17 +32,28 @@ def _seconds(name, default):
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise UsageError(f"{name}={text}: expected a positive number of seconds")
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0) and value <= MOST):
+        raise UsageError(f"{name}={text}: expected a number of seconds, {'at least 0' if zero_ok else 'above 0'} and "
+                         f"at most {MOST:g}")
     return value
 
 
 def hub_seconds():
-    return _seconds("EAGLE3_HUB_TIMEOUT_S", 30.0)
+    return _seconds("EAGLE3_HUB_TIMEOUT_S", KNOBS["EAGLE3_HUB_TIMEOUT_S"])
 
 
 def template_seconds():
-    return _seconds("EAGLE3_TEMPLATE_TIMEOUT_S", 10.0)
+    return _seconds("EAGLE3_TEMPLATE_TIMEOUT_S", KNOBS["EAGLE3_TEMPLATE_TIMEOUT_S"])
+
+
+def lifeline_grace():
+    return _seconds("EAGLE3_LIFELINE_GRACE", KNOBS["EAGLE3_LIFELINE_GRACE"], zero_ok=True)
+
+
+def check_environment():
+    """Every knob checked at a stage's start: a bad one found only when its wait comes (the watchdog's grace, when
+    the stage has died) would be found too late."""
+    hub_seconds(), template_seconds(), lifeline_grace()
 
 
 def call(fn, seconds, what, *args, **kwargs):

@@ -21,6 +21,21 @@ MAX_DRAFT_LAYERS = 32      # stage 04's --num-layers cap (settings.Train)
 LAYER_TYPES = ("llama", "qwen3", "deepseek_v3")  # what stage 04 trains and vLLM serves as an eagle3 draft
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")  # transformers 5's
+# The keys vLLM's get_rope reads with [] for each type (a KeyError after the verifier loaded). Not listed:
+# original_max_position_embeddings, which transformers' standardize_rope_params fills from max_position_embeddings
+# (required below) for llama3, yarn and longrope before vLLM reads it.
+ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "longrope": ("short_factor", "long_factor")}
+ARCHITECTURES = ["Eagle3DraftModel"]  # what speculators' save writes; vLLM maps the layer's model_type itself
+# vLLM's eagle3 layers build their MLP with LlamaMLP, Qwen3MLP (qwen2's) or DeepseekV2MLP: each raises on any
+# activation but silu
+ACTIVATIONS = {"llama": ("silu",), "qwen3": ("silu",), "deepseek_v3": ("silu",)}
+# The projections each vLLM eagle3 layer gives a bias when the flag is set (Llama: q, k, v and o; Qwen3: q, k, v, its
+# MLP never; DeepSeek's MLA and MLP never): the weights must then hold exactly those biases
+BIASES = {"llama": {"attention_bias": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                    "mlp_bias": ("gate_proj", "up_proj", "down_proj")},
+          "qwen3": {"attention_bias": ("q_proj", "k_proj", "v_proj")}, "deepseek_v3": {}}
+ATTENTION_KINDS = ("full_attention", "sliding_attention")  # the only layer_types vLLM's eagle3 layers tell apart
 RERUN = "rerun 04_train.py"
 _MISSING = object()
 
@@ -64,12 +79,12 @@ class _Fields:
         return v
 
 
-def check_tp(tp, gpus):
-    """--tp-size against the visible GPUs."""
+def check_tp(tp, gpus, flag="--tp-size"):
+    """--tp-size (or stage 01's `flag`) against the visible GPUs."""
     if not gpus and tp > 1:
-        raise UsageError(f"--tp-size {tp}: no GPU visible; on CPU use --tp-size 1")
+        raise UsageError(f"{flag} {tp}: no GPU visible; on CPU use {flag} 1")
     if gpus and tp > len(gpus):
-        raise UsageError(f"--tp-size {tp}: only {len(gpus)} GPU(s) visible "
+        raise UsageError(f"{flag} {tp}: only {len(gpus)} GPU(s) visible "
                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
 
 
@@ -119,8 +134,9 @@ def check_config(draft, cfg, text_cfg, tp=1):
     if top.get("speculators_model_type", "string") != "eagle3":
         top.fail("speculators_model_type", cfg["speculators_model_type"], "not an eagle3 checkpoint")
     archs = top.get("architectures", "list")
-    if not archs or not all(isinstance(a, str) and a for a in archs):
-        top.fail("architectures", archs, "expected a non-empty list of class names")
+    if archs != ARCHITECTURES:
+        top.fail("architectures", archs, f"a stage 04 checkpoint says {json.dumps(ARCHITECTURES)}")
+    _no_quantization(top, cfg)
     layer = top.get("transformer_layer_config", "object")
     dvocab = top.get("draft_vocab_size", "int", lo=1, hi=vocab)
     ids = top.get("eagle_aux_hidden_state_layer_ids", "list")
@@ -161,13 +177,27 @@ def check_config(draft, cfg, text_cfg, tp=1):
     vpos = text_cfg.get("max_position_embeddings")
     # vLLM sizes the draft's rotary cache by it: a huge value is memory, not a longer context
     maxpos = f.get("max_position_embeddings", "int", lo=1, hi=4 * vpos if _int(vpos) and vpos > 0 else 2**22)
-    f.get("hidden_act", "string", required=False)
-    for name in ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_cache"):
+    act = f.get("hidden_act", "string")  # vLLM reads config.hidden_act bare: no default behind it
+    if act not in ACTIVATIONS[kind]:
+        f.fail("hidden_act", act, f"vLLM's {kind} eagle3 layer supports only {', '.join(ACTIVATIONS[kind])}")
+    _no_quantization(f, layer)
+    for name in ("tie_word_embeddings", "use_cache"):
         f.get(name, "bool", required=False)
+    biases = {}
+    for name in ("attention_bias", "mlp_bias"):
+        if f.get(name, "bool", required=False):
+            if name not in BIASES[kind]:
+                f.fail(name, True, f"vLLM's {kind} eagle3 layer has no such bias; stage 04 never sets it")
+            biases[name] = BIASES[kind][name]
+    if layer.get("bias") not in (None, False):  # vLLM's Llama layer reads it as attention_bias for o_proj
+        f.fail("bias", layer["bias"], "not a field stage 04 writes (vLLM would expect an o_proj bias)")
     f.get("sliding_window", "int", required=False, lo=1, hi=maxpos)
     types = f.get("layer_types", "list", required=False)
     if types is not None and (len(types) != layers or not all(isinstance(t, str) for t in types)):
         f.fail("layer_types", types, f"expected one name per layer ({layers})")
+    bad = next((t for t in types or () if t not in ATTENTION_KINDS), None)
+    if bad is not None:
+        f.fail("layer_types", types, f"unknown layer type {bad!r} (known: {', '.join(ATTENTION_KINDS)})")
     _check_dtype(f, layer, required=False)
     _check_rope(f, layer, text_cfg)
     if kind == "deepseek_v3":
@@ -183,7 +213,14 @@ def check_config(draft, cfg, text_cfg, tp=1):
     bad = split_heads(tp, layer)
     if bad:
         f.fail(bad[0], bad[1], f"--tp-size {tp} must divide it (vLLM splits the draft's heads as the verifier's)")
-    return {"ids": ids, "draft_vocab": dvocab, "layers": layers, "kind": kind, "flags": flags}
+    return {"ids": ids, "draft_vocab": dvocab, "layers": layers, "kind": kind, "flags": flags, "biases": biases}
+
+
+def _no_quantization(f, cfg):
+    """A speculators eagle3 checkpoint from stage 04 is never quantized; with this key vLLM would load it as if it
+    were, and fail on its plain tensors after the verifier loaded."""
+    if cfg.get("quantization_config") is not None:
+        f.fail("quantization_config", cfg["quantization_config"], "a stage 04 draft is never quantized")
 
 
 def _check_dtype(f, cfg, required=True):
@@ -210,10 +247,14 @@ def _check_rope(f, layer, text_cfg):
             t = sub.get(name, "string", required=False)
             if t is not None and t not in known:
                 sub.fail(name, t, f"unknown rope type (known: {', '.join(known)})")
-        for name in ("rope_theta", "factor"):
+        for name in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor"):
             v = sub.get(name, "number", required=False)
             if v is not None and v <= 0:
                 sub.fail(name, v, "must be positive")
+        t = rope.get("rope_type", rope.get("type", "default"))
+        for name in ROPE_KEYS.get(t, ()):
+            if rope.get(name) is None:
+                sub.fail(name, _MISSING, f"rope type {t!r} needs it (vLLM's get_rope reads it)")
         sub.get("original_max_position_embeddings", "int", required=False, lo=1)
     theta = f.get("rope_theta", "number", required=False)
     if theta is not None and theta <= 0:

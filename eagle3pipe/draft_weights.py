@@ -52,6 +52,9 @@ def read_header(path, shown):
     if not isinstance(header, dict):
         raise Bad(shown, f"its header is a JSON {type(header).__name__}, not a table of tensors")
     tensors, spans = {}, []
+    meta = header.get("__metadata__", {})
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):  # safetensors' own rule
+        raise Bad(shown, f"its __metadata__ is not a table of strings ({json.dumps(meta)[:60]})")
     for key, t in header.items():
         if key == "__metadata__":
             continue
@@ -126,6 +129,8 @@ def expected_shapes(cfg, summary, text_cfg):
         need.update({p + "input_layernorm.weight": [H], p + "post_attention_layernorm.weight": [H],
                      p + "mlp.gate_proj.weight": [inter, H], p + "mlp.up_proj.weight": [inter, H],
                      p + "mlp.down_proj.weight": [H, inter]})
+        for proj in summary.get("biases", {}).get("mlp_bias", ()):  # a bias per output row
+            need[f"{p}mlp.{proj}.bias"] = [need[f"{p}mlp.{proj}.weight"][0]]
         if i == 0:
             need[p + "hidden_norm.weight"] = [H]
         a = p + "self_attn."
@@ -145,6 +150,8 @@ def expected_shapes(cfg, summary, text_cfg):
                          a + "v_proj.weight": [kv * hd, width], a + "o_proj.weight": [H, heads * hd]})
             if summary["kind"] == "qwen3":
                 need.update({a + "q_norm.weight": [hd], a + "k_norm.weight": [hd]})
+            for proj in summary.get("biases", {}).get("attention_bias", ()):
+                need[f"{a}{proj}.bias"] = [need[f"{a}{proj}.weight"][0]]
     return need, optional
 
 
@@ -160,9 +167,17 @@ def check_tensors(tensors, cfg, summary, text_cfg, shown="model.safetensors"):
         key = next(k for k in tensors if k.startswith(f"layers.{extra[0]}."))
         raise Bad(tensors[key][4], f"tensor {key}: a decoder layer past the config's num_hidden_layers ({layers})")
     need, optional = expected_shapes(cfg, summary, text_cfg)
+    # vLLM's AutoWeightsLoader refuses a name its model lacks, after the verifier loaded: a bias the config does not
+    # ask for included (the config's attention_bias / mlp_bias say which the model has)
+    unknown = next((k for k in sorted(tensors) if k not in need and k not in optional), None)
+    if unknown is not None:
+        why = (" (the config's attention_bias / mlp_bias do not ask for it)" if unknown.endswith(".bias") else
+               " (not in the layout of a stage 04 draft; vLLM refuses a name its model lacks)")
+        raise Bad(tensors[unknown][4], f"tensor {unknown} is unknown{why}")
     for key, shape in list(need.items()) + [(k, s) for k, s in optional.items() if k in tensors and k not in need]:
         if key not in tensors:
-            raise Bad(shown, f"tensor {key} is missing (the config asks for it)")
+            flag = " (its attention_bias / mlp_bias)" if key.endswith(".bias") else ""
+            raise Bad(shown, f"tensor {key} is missing (the config{flag} asks for it)")
         dtype, got, _, _, where = tensors[key]
         if got != shape:
             raise Bad(where, f"tensor {key} has shape {got}, the config asks for {shape}")
@@ -223,7 +238,8 @@ def _check_served(draft, tensors, cfg, summary, text_cfg):
         raise Bad(f"{SERVED}/config.json", f"the copy vLLM loads: {str(e).replace(served + os.sep, '', 1)}")
     same = {"draft_vocab_size": summary["draft_vocab"], "eagle_aux_hidden_state_layer_ids": summary["ids"],
             "hidden_size": text_cfg["hidden_size"], "vocab_size": text_cfg["vocab_size"],
-            "num_hidden_layers": summary["layers"]}
+            "num_hidden_layers": summary["layers"], "hidden_act": cfg["transformer_layer_config"]["hidden_act"],
+            "quantization_config": None}
     for key, want in same.items():
         got = scfg.get(key) if isinstance(scfg, dict) else None
         if got != want:

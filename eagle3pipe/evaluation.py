@@ -95,6 +95,40 @@ def rank(found, run):
     return rows, figures[rows[0]["name"]]
 
 
+def measure_without_vllm(args, drafts, prompt_ids, on_gpu, ranking):
+    """eagle3pipe/acceptance.py's measure for every draft on the same prompts, beside vLLM's figures; each ranking
+    row gets its "measure". -> {"acceptance_length", "per_position", "vllm", "vllm_per_position", "drafts",
+    "accepted", "by_draft", "reference_seconds"} for the best draft, or {"skipped": why}."""
+    from . import acceptance
+    from .verifier import weights_bytes
+    size = weights_bytes(args.model_path) if os.path.isdir(args.model_path) else None
+    if args.measure == "off" or (args.measure == "auto" and not (size and size <= acceptance.MEASURE_MAX_WEIGHT_BYTES)):
+        why = "--measure off" if args.measure == "off" else "the verifier's weights are over 10 GB (--measure on runs it)"
+        log.info(f"acceptance without vLLM: skipped ({why})")
+        return {"skipped": why}
+    log.info("acceptance without vLLM: the verifier's greedy continuations in float32 through transformers, then one "
+             "forward per draft")
+    try:
+        by_draft, ref_seconds = acceptance.measure_all(drafts, args.model_path, prompt_ids,
+                                                       args.num_speculative_tokens, args.max_new_tokens,
+                                                       "cuda" if on_gpu else "cpu", args.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - an addition to vLLM's figures must never cost them
+        from .cli import describe
+        why = f"failed: {describe(e)[1]}"
+        log.warning(f"acceptance without vLLM: {why}")
+        return {"skipped": why}
+    for row in ranking:
+        got = by_draft[row["name"]]
+        row["measure"] = {k: got[k] for k in ("acceptance_length", "per_position", "drafts", "accepted")}
+    best = ranking[0]
+    got = by_draft[best["name"]]
+    return {"acceptance_length": got["acceptance_length"], "per_position": got["per_position"],
+            "vllm": best["acceptance_length"], "vllm_per_position": best["per_position"], "drafts": got["drafts"],
+            "accepted": got["accepted"], "position_average": got["position_average"],
+            "reference_seconds": ref_seconds, "by_draft": {n: {k: v for k, v in d.items() if k != "per_prompt"}
+                                                           for n, d in by_draft.items()}}
+
+
 def _val_metrics(path):
     from .files import read_json
     p = os.path.join(path, "val_metrics.json")
@@ -316,6 +350,12 @@ def summary(report):
                      f"{rec['vllm']} on these prompts (per position, trainer/vLLM: {pos})")
     if rec.get("note"):
         lines.append(rec["note"])
+    m = report.get("measure_vs_vllm") or {}
+    if m.get("acceptance_length") is not None:
+        pos = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(m["per_position"], m["vllm_per_position"]))
+        lines.append(f"acceptance length without vLLM (eagle3pipe/acceptance.py, float32): {m['acceptance_length']}, "
+                     f"vLLM {m['vllm']} (per position, measure/vLLM: {pos}); the same figure at every position of "
+                     f"the same outputs, the trainer's formula: {m['position_average']}")
     return lines
 
 

@@ -66,6 +66,18 @@ def render(tok, messages, generation_prompt):
         raise TemplateError(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
+def probe_template(tok, records):
+    """Render the first record (rid, messages) once, within the time budget: one line naming the template and the
+    record if it loops. A template that refuses the record is the loop's business (counted there), not a refusal."""
+    for rid, messages in records[:1]:
+        try:
+            assistant_spans(tok, messages)
+        except TemplateTooSlow as e:
+            raise UsageError(f"record {rid}: {e}")
+        except TemplateError:
+            pass
+
+
 def prompt_ids(tok, messages):
     """The token ids of `messages` rendered with the generation prompt (what the verifier answers), within the
     template's time budget."""

@@ -14,9 +14,43 @@ import logging
 import os
 
 from . import compute, engine, faults, masks, outdir
+from .draft_check import check_tp, split_heads
+from .errors import UsageError
 
 log = logging.getLogger("eagle3")
 ENGINE_LOG = "engine.log"  # in stage 01's output folder: what the vLLM engine prints
+GiB = 2**30
+
+
+def batched_tokens(gpus, tp):
+    """The max_num_batched_tokens vLLM will pick for make_llm's engine (an LLM, no value of ours): its own defaults
+    by device (EngineArgs.get_batch_defaults), which our max_num_seqs (--regen-batch-size) must not exceed, or the
+    engine refuses only after starting."""
+    if not gpus:
+        return 4096 * tp
+    name, total = gpus[0]
+    return 16384 if total >= 70 * GiB and "a100" not in name.lower() else 8192
+
+
+def check(args, text_cfg):
+    """--regenerate's flags against the device, the verifier and --max-seq-len, before the output folder is taken
+    (vLLM refuses each of them 7 s or, on Kimi, many minutes later)."""
+    gpus = engine.visible_gpus()
+    bad = split_heads(args.regen_tp_size, text_cfg)
+    if bad:
+        raise UsageError(f"--regen-tp-size {args.regen_tp_size}: must divide the verifier's {bad[0]} ({bad[1]})")
+    check_tp(args.regen_tp_size, gpus, "--regen-tp-size")
+    most = batched_tokens(gpus, args.regen_tp_size)
+    if args.regen_batch_size > most:
+        raise UsageError(f"--regen-batch-size {args.regen_batch_size}: vLLM batches at most {most} tokens per step "
+                         f"here (its max_num_batched_tokens on {'CPU' if not gpus else gpus[0][0]}), and each "
+                         f"prompt in flight needs one; use at most {most}")
+    # an answer follows a prompt of at least one token and leaves the position stage 02 reads past the row
+    room = args.max_seq_len - 2
+    if args.regen_max_tokens > room:
+        raise UsageError(f"--regen-max-tokens {args.regen_max_tokens}: with --max-seq-len {args.max_seq_len} an "
+                         f"answer has at most {max(room, 0)} tokens (the verifier's positions bound --max-seq-len); "
+                         f"lower --regen-max-tokens or raise --max-seq-len")
 
 
 def cache_path(out):

@@ -115,7 +115,7 @@ class Prepare(Record):
     output_dir: str = rule(path=True)
     max_seq_len: int = rule(ge=2)
     num_samples: Optional[int] = rule(ge=1)
-    seed: int = rule()
+    seed: int = rule(ge=0, le=2**32 - 1)
     trust_remote_code: bool = rule()
     regenerate: bool = rule()
     regen_temperature: float = rule(ge=0)
@@ -155,6 +155,9 @@ class Extract(Record):
                              "clear --output-dir once before starting the replicas")
         if self.verify and self.shard:
             raise UsageError("--verify checks all shards at once; drop --shard")
+        if self.verify and self.overwrite:  # --overwrite deletes what --verify was asked to check
+            raise UsageError("--verify with --overwrite: --overwrite deletes every file of earlier runs, --verify checks "
+                             "them without loading a model; drop one")
 
 
 @dataclass(frozen=True)
@@ -272,6 +275,7 @@ class Evaluate(Record):
     output_dir: str = rule(path=True)
     trust_remote_code: bool = rule()
     dtype: str = rule(choices=DTYPES)
+    measure: str = rule(choices=("auto", "on", "off"))
     dry_run: bool = rule()
 
     MAX_SPECULATIVE_TOKENS = 32

@@ -171,16 +171,18 @@ def check_disk(s, text_cfg, draft_vocab, tokens):
 
 # a setting that changes what is trained: the same run resumes only with the same value. --epochs and --max-steps
 # are not: more epochs continue the same run (same rows, split, batches and optimizer; the schedule is stretched to
-# the new end), fewer stop it earlier. Device, dtype, workers and logging change how, not what.
+# the new end), fewer stop it earlier. Device, workers and logging change how, not what. The compute dtype changes
+# what: the weights and the optimizer's states are computed (and rounded) in it, so it is part of the identity as
+# resolved (compute.resolve), not as typed: `--dtype auto` that resolves to the same dtype resumes.
 DATA = {"prepared": "--prepared-data", "extract": "--hidden-states", "vocab": "--vocab-mapping"}
 SETTINGS = ("num_layers", "ttt_steps", "total_seq_len", "lr", "warmup_steps", "val_ratio", "seed")
 
 
-def run_identity(s, prep, ext, voc, recipe):
-    """What makes two runs the same: the inputs' content ids, the sizes, the optimizer's settings, the split and the
-    draft's recipe (training.recipe, resolved)."""
+def run_identity(s, prep, ext, voc, recipe, dtype):
+    """What makes two runs the same: the inputs' content ids, the sizes, the optimizer's settings, the split, the
+    draft's recipe (training.recipe, resolved) and the compute dtype `dtype` (compute.resolve(...).dtype)."""
     return {"prepared": prep["content_id"], "extract": ext["content_id"], "vocab": voc["content_id"],
-            **{k: getattr(s, k) for k in SETTINGS}, "recipe": dict(recipe)}
+            **{k: getattr(s, k) for k in SETTINGS}, "dtype": dtype, "recipe": dict(recipe)}
 
 
 def _flat(identity):

@@ -24,4 +24,6 @@ if ! command -v "$PY" >/dev/null; then
   [ -n "${PYTHON:-}" ] && { echo "error: PYTHON=$PYTHON: not an executable" >&2; exit 2; }
   PY=python3
 fi
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 9))' 2>/dev/null \
+  || { echo "error: ${PYTHON:+PYTHON=}$PY: not a Python 3.9+ interpreter" >&2; exit 2; }
 exec "$PY" -m eagle3pipe.launch "$@"

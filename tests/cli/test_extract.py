@@ -24,6 +24,8 @@ def test_preflight_refusals(prep, model_path, tmp_path):
         (["--layer-ids", "2,15,40"], ["--layer-ids [40]", "[0, 29]"]),
         (["--layer-ids", "2,2,27"], ["distinct"]),
         (["--layer-ids", "27,2,15"], ["--layer-ids [27, 2, 15]: give the ids in ascending order (2,15,27)"]),
+        (["--layer-ids", ",,,"], ["--layer-ids", "expected integers separated by commas"]),
+        (["--verify", "--overwrite"], ["--verify with --overwrite", "drop one"]),
         (["--tp-size", "3"], ["--tp-size 3", "no GPU visible"]),
         (["--tp-size", "4"], ["--tp-size 4", "must divide", "num_attention_heads (9)"]),
         (["--batch-size", "0"], ["--batch-size 0"]),

@@ -73,6 +73,7 @@ ENVS = {  # the launcher's environment numbers
     "tp-negative": ({"TP_SIZE": "-1"}, "TP_SIZE=-1"),
     "batch-fraction": ({"BATCH_SIZE": "1.5"}, "BATCH_SIZE=1.5"),
     "replicas-over-gpus": ({"REPLICAS": "3", "CUDA_VISIBLE_DEVICES": "0,1"}, "REPLICAS=3"),
+    "python-not-python": ({"PYTHON": "/bin/false"}, "PYTHON=/bin/false: not a Python 3.9+ interpreter"),
 }
 
 

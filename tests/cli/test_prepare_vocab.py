@@ -128,11 +128,21 @@ def test_prepare_refuses_bad_flags_and_paths(tmp_path, model_path):
         (["--dataset", "sharegpt"], ["missing --model-path"]),
         (["--model-path", model_path, "--output-dir", str(tmp_path)], ["holds 'keep.txt'", "did not make"]),
     ]
+    # --regenerate's flags, refused before vLLM starts (it refused them 7 s later) and before the folder is taken
+    fresh = ["--model-path", model_path, "--regenerate", "--output-dir", str(tmp_path / "new")]
+    cases += [
+        (fresh + ["--regen-tp-size", "4"], ["--regen-tp-size 4: must divide the verifier's num_attention_heads (9)"]),
+        (fresh + ["--regen-tp-size", "3"], ["--regen-tp-size 3: no GPU visible; on CPU use --regen-tp-size 1"]),
+        (fresh + ["--regen-batch-size", "99999999"], ["--regen-batch-size 99999999", "max_num_batched_tokens",
+                                                      "at most 4096"]),
+        (fresh + ["--regen-max-tokens", "600", "--max-seq-len", "512"],
+         ["--regen-max-tokens 600: with --max-seq-len 512 an answer has at most 510 tokens"]),
+    ]
     (tmp_path / "keep.txt").write_text("a person's file")
     for argv, needles in cases:
         p, secs = run_script("01_prepare_dataset.py", *argv)
         assert_refused(p, secs, *needles)
-    assert (tmp_path / "keep.txt").exists()
+    assert (tmp_path / "keep.txt").exists() and not (tmp_path / "new").exists()
 
 
 def test_config_errors(tmp_path, model_path):

@@ -1,12 +1,11 @@
-"""The acceptance measure without vLLM (eagle3pipe/acceptance.py) agrees with vLLM's own counters: the session's
-trained draft, stage 05 through vLLM at batch size 1 in float32 on 8 held-out prompts, and the measure on the same
-prompts (the verifier's greedy continuation and states through transformers, one TTT forward of the draft, vLLM's
-rounds replayed): the chain end to end (states, layer ids, shift, vocabulary map, stop ids). The rounds' finer rules
-(the first point, the overshoot past the stop) move the figures by less than the tolerance, so
-tests/unit/test_acceptance.py pins them. This small draft accepts little past the first position; the later steps
-(the draft's fed-back state) were checked on stronger drafts at k=3 and k=5, where vLLM's counts and the measure's
-were equal."""
-import argparse
+"""Acceptance measured without vLLM (eagle3pipe/acceptance.py) agrees with vLLM's own counters: stage 05 on the
+session's trained draft at batch size 1 in float32 on 8 held-out prompts reports both, vLLM's figure and the
+measure's (the verifier's greedy continuation and states through transformers, one TTT forward of the draft,
+vLLM's rounds replayed), so the chain is checked end to end (states, layer ids, shift, vocabulary map, stop ids).
+The rounds' finer rules (the first point, the overshoot past the stop) move the figures by less than the tolerance,
+so tests/unit/test_acceptance.py pins them. This small draft accepts little past the first position; the later
+steps (the draft's fed-back state) were checked on stronger drafts at k=3 and k=5, where vLLM's counts and the
+measure's were equal (docs/RECIPE.md)."""
 import json
 
 from conftest import run_script
@@ -17,25 +16,19 @@ K, PROMPTS, NEW = 3, 8, 32
 
 def test_the_measure_agrees_with_vllm(model_path, stages, trained, tmp_path):
     out, _ = trained
-    draft = out / "last"
     ev = tmp_path / "ev"
-    p, _ = run_script("05_evaluate.py", "--model-path", model_path, "--draft", str(draft), "--prepared-data",
+    p, _ = run_script("05_evaluate.py", "--model-path", model_path, "--draft", str(out / "last"), "--prepared-data",
                       str(stages["prepared"]), "--num-prompts", str(PROMPTS), "--max-new-tokens", str(NEW),
                       "--num-speculative-tokens", str(K), "--batch-sizes", "1", "--dtype", "float32",
-                      "--output-dir", str(ev))
+                      "--measure", "on", "--output-dir", str(ev))
     assert p.returncode == 0, p.stderr[-4000:]
-    vllm = json.load(open(ev / "report.json"))["speculative"]["1"]
-
-    from eagle3pipe import acceptance, evaluation
-    from eagle3pipe.masks import load_tokenizer, prompt_ids
-    skip, _ = evaluation.held_out_skip("sharegpt", str(stages["prepared"]))  # stage 05's prompts, as it picks them
-    prompts = evaluation.select_prompts(argparse.Namespace(prompts="sharegpt", num_prompts=PROMPTS), skip)
-    tok = load_tokenizer(model_path)
-    ids = [prompt_ids(tok, m) for m in prompts]
-    ours = acceptance.measure(str(draft), model_path, ids, K, NEW)
+    rep = json.load(open(ev / "report.json"))
+    vllm, ours = rep["speculative"]["1"], rep["measure_vs_vllm"]
+    assert ours["vllm"] == vllm["acceptance_length"]
     assert ours["drafts"] > 0 and vllm["drafts"] > 0
     assert abs(ours["drafts"] - vllm["drafts"]) <= 0.02 * vllm["drafts"], (ours, vllm)  # the same rounds
     assert abs(ours["acceptance_length"] - vllm["acceptance_length"]) <= LENGTH, (ours, vllm)
     assert len(ours["per_position"]) == len(vllm["per_position"]) == K
     for a, b in zip(ours["per_position"], vllm["per_position"]):
         assert abs(a - b) <= POSITION, (ours, vllm)
+    assert "acceptance length without vLLM" in p.stdout

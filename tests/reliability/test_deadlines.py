@@ -5,12 +5,15 @@ import http.server
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from conftest import assert_refused, run_script, snapshot
+from conftest import REPO, assert_refused, run_script, snapshot
 
 
 class _Stalling(http.server.BaseHTTPRequestHandler):
@@ -83,7 +86,19 @@ def test_a_template_that_loops_is_one_line_naming_it(model_path, tmp_path):
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert f"the chat template of {model} did not finish one render within 1 s" in lines[0], lines[0]
     assert time.time() - t0 < 60
-    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert not (tmp_path / "out").exists()  # the template is tried on the first record before the folder is taken
+
+    # SIGTERM in the middle of that render (a stage without a handler of its own): one line, 128 + 15
+    env = {**os.environ, "EAGLE3_TEMPLATE_TIMEOUT_S": "120", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "01_prepare_dataset.py", "--model-path", str(model), "--dataset", str(chat),
+                             "--output-dir", str(tmp_path / "out")], cwd=REPO, env=env, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(8)  # the tokenizer loads in a few seconds; then the render loops
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert lines == ["error: stopped by a signal (SIGTERM); rerun the same command to resume"], err[-2000:]
 
 
 def test_records_and_manifests_far_larger_than_a_stage_writes_are_refused_at_once(small, model_path, tmp_path):

@@ -53,8 +53,13 @@ def test_time_budget_interrupts_python_code_and_restores_the_alarm():
     time.sleep(0.1)  # no stray alarm
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0", "ten"])
-def test_deadline_settings_refuse_what_is_not_a_positive_number(monkeypatch, value):
-    monkeypatch.setenv("EAGLE3_TEMPLATE_TIMEOUT_S", value)
-    with pytest.raises(UsageError, match=f"EAGLE3_TEMPLATE_TIMEOUT_S={value}: expected a positive number"):
-        deadlines.template_seconds()
+@pytest.mark.parametrize("name,value", [("EAGLE3_TEMPLATE_TIMEOUT_S", v) for v in ["nan", "inf", "-1", "0", "ten", "1e12"]]
+                         + [("EAGLE3_HUB_TIMEOUT_S", "0"), ("EAGLE3_LIFELINE_GRACE", "abc"),
+                            ("EAGLE3_LIFELINE_GRACE", "-1")])
+def test_deadline_settings_refuse_what_is_not_a_number_of_seconds(monkeypatch, name, value):
+    """Every knob checked at a stage's start (a bad watchdog grace found only once the stage died left an orphan)."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match=f"{name}={value}: expected a number of seconds"):
+        deadlines.check_environment()
+    monkeypatch.setenv(name, "0" if name == "EAGLE3_LIFELINE_GRACE" else "2.5")
+    deadlines.check_environment()

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import load_script
-from eagle3pipe import files, input_watch, train_plan
+from eagle3pipe import compute, files, input_watch, train_plan
 from eagle3pipe.errors import RunError, UsageError
 
 SMOL = {"hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
@@ -39,16 +39,26 @@ def test_a_different_run_is_named_setting_by_setting(tmp_path):
     s = settings("--output-dir", str(out), "--lr", "2e-3")
     prep, ext, voc = {"content_id": "p1"}, {"content_id": "e1"}, {"content_id": "v1"}
     recipe = {"draft_arch": "llama", "scheduler_type": "linear"}
-    same = train_plan.run_identity(s, prep, ext, voc, recipe)
+    same = train_plan.run_identity(s, prep, ext, voc, recipe, "bfloat16")
     (out / files.RUN_FILE).write_text(json.dumps({"stage": "train", "identity": same, "epochs": 10, "max_steps": None}))
     assert train_plan.check_resume(s, same)["identity"] == same
+    # the identity holds the compute dtype as resolved: `--dtype auto` that resolves to the same one is the same run
+    auto = settings("--output-dir", str(out), "--lr", "2e-3", "--dtype", "auto")
+    assert train_plan.check_resume(auto, train_plan.run_identity(
+        auto, prep, ext, voc, recipe, compute.resolve("auto", on_gpu=True).dtype))["identity"] == same
     other = train_plan.run_identity(settings("--output-dir", str(out), "--seed", "4"), prep, {"content_id": "e2"}, voc,
-                                    {**recipe, "scheduler_type": "cosine"})
+                                    {**recipe, "scheduler_type": "cosine"}, "bfloat16")
     with pytest.raises(UsageError) as e:
         train_plan.check_resume(s, other)
     assert "--hidden-states (its content id) e1 -> e2; --lr 0.002 -> 0.001; --seed 0 -> 4; --scheduler linear -> " \
            "cosine" in str(e.value) and "--overwrite" in str(e.value)
     assert train_plan.check_resume(settings("--output-dir", str(out), "--overwrite"), other) is None
+    # trained in bf16, rerun in float32: the optimizer's states and the weights would continue in another precision
+    f32 = settings("--output-dir", str(out), "--lr", "2e-3", "--epochs", "2", "--dtype", "float32")
+    with pytest.raises(UsageError) as e:
+        train_plan.check_resume(f32, train_plan.run_identity(f32, prep, ext, voc, recipe, "float32"))
+    assert str(e.value).count("\n") == 0 and "(--dtype bfloat16 -> float32)" in str(e.value)
+    assert "--overwrite to restart" in str(e.value)
 
 
 def test_an_input_rewritten_under_a_run_is_one_line(tmp_path):
