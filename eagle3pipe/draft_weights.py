@@ -176,7 +176,7 @@ def check_tensors(tensors, cfg, summary, text_cfg, shown="model.safetensors"):
         raise Bad(tensors[unknown][4], f"tensor {unknown} is unknown{why}")
     for key, shape in list(need.items()) + [(k, s) for k, s in optional.items() if k in tensors and k not in need]:
         if key not in tensors:
-            flag = " (its attention_bias / mlp_bias)" if key.endswith(".bias") else ""
+            flag = ("'s " + ("mlp_bias" if ".mlp." in key else "attention_bias")) if key.endswith(".bias") else ""
             raise Bad(shown, f"tensor {key} is missing (the config{flag} asks for it)")
         dtype, got, _, _, where = tensors[key]
         if got != shape:

@@ -23,6 +23,13 @@ IGNORED_UNLESS = {
          "offline training reads stage 02's folder; --online generates the states instead"),
         ("backend", lambda r: r.online, ("online",), "it picks the engine --online starts"),
         ("engine_timeout", lambda r: r.online, ("online",), "it bounds the start of the engine --online starts"),
+        # speculators builds no scheduler at all for `none` (Trainer.setup_optimizer), warmup included; no warmup is
+        # what `none` does anyway
+        ("warmup_steps", lambda r: r.scheduler != "none" or not r.warmup_steps, ("scheduler",),
+         "with no scheduler the learning rate is --lr from step 1, with no warmup"),
+        # step k's loss weighs decay**k (speculators' exp_loss_decay): a single step (k = 0) always weighs 1
+        ("ttt_step_loss_decay", lambda r: r.ttt_steps > 1 or r.ttt_step_loss_decay == 1, ("ttt_steps",),
+         "with one TTT step there is no later step to weigh less"),
     ],
 }
 

@@ -22,6 +22,15 @@ MODEL = "data/models/smollm2-135m-instruct"
     ("02_extract_hidden_states.py", "backend: hf\n", ["--gpu-memory-utilization", "0.5", "--dry-run"],
      ["--gpu-memory-utilization 0.5 contradicts 'backend: hf'"]),
     ("01_prepare_dataset.py", "", ["--regen-temperature", "0.5"], ["--regen-temperature 0.5: only with --regenerate"]),
+    # speculators builds no scheduler for `none`: a warmup beside it was dropped in silence (trained, exit 0)
+    ("04_train.py", "", ["--scheduler", "none", "--warmup-steps", "3"],
+     ["--warmup-steps 3 contradicts --scheduler none", "no warmup"]),
+    ("04_train.py", "scheduler: none\n", ["--warmup-steps", "3"],
+     ["--warmup-steps 3 contradicts 'scheduler: none' in --config {t}/c.yaml"]),
+    ("04_train.py", "warmup_steps: 3\n", ["--scheduler", "none"],
+     ["'warmup_steps: 3' in --config {t}/c.yaml contradicts --scheduler none"]),
+    ("04_train.py", "", ["--ttt-steps", "1", "--ttt-step-loss-decay", "0.8"],
+     ["--ttt-step-loss-decay 0.8 contradicts --ttt-steps 1", "one TTT step"]),
 ])
 def test_a_flag_the_settings_ignore_is_refused_naming_both(tmp_path, script, config, argv, needles):
     (tmp_path / "c.yaml").write_text(f"model_path: {MODEL}\n" + config)

@@ -128,7 +128,20 @@ def config_mutations():
         (LAYER + "rope_parameters", [1]), (LAYER + "rope_parameters.rope_theta", -1.0),
         (LAYER + "rope_parameters.rope_theta", "1e5"), (LAYER + "rope_parameters.rope_type", "warp"),
         (LAYER + "rope_parameters.factor", 0), (LAYER + "rope_parameters.original_max_position_embeddings", 1.5),
-        (LAYER + "dtype", "float8")]]
+        (LAYER + "dtype", "float8"),
+        # each loads in vLLM and then fails: the activation, the layer types, a quantization; an empty class name
+        (LAYER + "hidden_act", "gelu"), (LAYER + "hidden_act", "no_such_act"), (LAYER + "hidden_act", MISSING),
+        (LAYER + "layer_types", ["bogus_attention"]), ("architectures", [""]),
+        ("quantization_config", {"quant_method": "fp8"}),
+        (LAYER + "quantization_config", {"quant_method": "awq"}), (LAYER + "bias", True)]]
+    for kind, missing in [("yarn", "factor"), ("linear", "factor"), ("dynamic", "factor"), ("llama3", "factor"),
+                          ("llama3", "low_freq_factor"), ("llama3", "high_freq_factor")]:
+        full = {"rope_type": kind, "rope_theta": 1e5, "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+        out.append((f"rope {kind} without {missing}", LAYER + "rope_parameters." + missing, set_field(
+            LAYER + "rope_parameters", {k: v for k, v in full.items() if k != missing})))
+    # a bias flag without its tensors (the flag alone: build() writes the unchanged weights)
+    out += [(f"{p} = true", p, set_field(p, True)) for p in (LAYER + "attention_bias", LAYER + "mlp_bias")]
     return out
 
 
@@ -216,6 +229,12 @@ def weight_mutations():
     for name, dtype in [("d2t", "F64"), ("t2d", "U8"), ("fc.weight", "I16")]:
         d.append((f"{name} stored as {dtype}", edit_tensors(lambda t, r, name=name, dtype=dtype: t.__setitem__(
             name, [dtype, t[name][1], t[name][2]]))))
+    d.append(("an unknown tensor", edit_tensors(lambda t, r: t.__setitem__("evil.weight", t["norm.weight"]))))
+    d.append(("mask_hidden", edit_tensors(lambda t, r: t.__setitem__("mask_hidden", t["norm.weight"]))))
+    d.append(("a bias the config does not ask for", edit_tensors(lambda t, r: t.__setitem__(
+        "layers.0.self_attn.q_proj.bias", tensor_of("BF16", [t["layers.0.self_attn.q_proj.weight"][1][0]], r)))))
+    d.append(("__metadata__ not a table of strings", written(lambda p, t, r: write_st(p, t, lambda h: h.update(
+        __metadata__="notadict")))))
     d.append(("an extra layer", edit_tensors(lambda t, r: t.update(
         {k.replace("layers.0.", "layers.1."): v for k, v in list(t.items()) if k.startswith("layers.0.")}))))
     d.append(("a far layer", edit_tensors(lambda t, r: t.__setitem__("layers.999999.input_layernorm.weight",
@@ -318,6 +337,17 @@ def test_the_lean_base_passes_the_checks(base, model_path, tmp_path):
     for folder in ("lean", "sharded"):
         cfg = json.load(open(tmp_path / folder / "config.json"))
         assert draft_check.check_folder(str(tmp_path / folder), cfg, tc)["layers"] == 1
+    # what vLLM does load passes too: the biases with their tensors, llama3 rope with every key get_rope reads
+    def biased(cfg, t, folder, rng):
+        cfg["transformer_layer_config"].update(attention_bias=True, mlp_bias=True)
+        for w in [k for k in t if k.endswith("_proj.weight")]:
+            t[w[:-len("weight")] + "bias"] = tensor_of("BF16", [t[w][1][0]], rng)
+    llama3 = set_field(LAYER + "rope_parameters", {"rope_type": "llama3", "rope_theta": 1e5, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    for name, mutate in [("biased", biased), ("llama3", llama3)]:
+        build(*base, tmp_path / name, mutate, random.Random(SEED))
+        cfg = json.load(open(tmp_path / name / "config.json"))
+        assert draft_check.check_folder(str(tmp_path / name), cfg, tc)["layers"] == 1, name
 
 
 @pytest.mark.parametrize("family", ["config", "weights", "index"])
