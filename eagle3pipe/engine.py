@@ -217,11 +217,8 @@ def server_module():
 
 
 def _amx():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " amx_tile" in f.read()
-    except OSError:
-        return False
+    from .compute import cpu_flags
+    return "amx_tile" in cpu_flags()
 
 
 def eagle3_blocker(text_cfg, on_gpu, mla_draft=False, dtype=None):
