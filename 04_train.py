@@ -62,6 +62,10 @@ def parse_args(argv=None):
                    help=">= 1: every N epochs; < 1: that fraction of an epoch (mid-epoch resume)")
     p.add_argument("--log-every", type=int, default=10, help="a dense progress line every N steps")
     p.add_argument("--val-ratio", type=float, default=0.05, help="rows held out for validation")
+    p.add_argument("--num-samples", type=int, default=None,
+                   help="train on the first N rows of stage 01's output (a random subset of its records: stage 01 "
+                        "shuffles them by its --seed), validation included; the rest of stage 02's states stay "
+                        "unread (default: all)")
     p.add_argument("--num-workers", type=int, default=None, help="dataloader workers (default: 0 on CPU; on GPU up to 12 per rank, cores allowing)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP under torchrun (default: DDP)")
     cli.add_dtype_flag(p, "the draft (and an --online engine)")
@@ -113,6 +117,7 @@ def main():
     # rank 0 reads every file against its checksum; the other ranks wait for its bridge
     prep, ext, voc, rows, failed = training.check_inputs(args, fp, verify_data=rank == 0 and args.verify_data,
                                                          online_layer_ids=layer_ids)
+    rows, failed = training.first_rows(args, rows, failed)  # --num-samples
     longest = max(len(r[0]) for r in rows)
     training.check_split(len(rows), args.val_ratio)
     draft_vocab = voc["counts"]["draft_vocab_size"]

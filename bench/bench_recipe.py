@@ -80,7 +80,7 @@ def prepare(w, n, regen_t, prompts_per_kind):
     held_out(w, prompts_per_kind)
 
 
-def held_out(w, per_kind):
+def held_out(w, per_kind, prep="prep_orig"):
     """`per_kind` chat and `per_kind` code prompts: first user turns of ShareGPT records after every record stage 01
     read (so none trained on), short enough to leave room for the answer, none repeated, none in the training rows."""
     path = f"{w}/heldout.jsonl"
@@ -89,7 +89,7 @@ def held_out(w, per_kind):
     from eagle3pipe.conversations import iter_records, normalize
     from eagle3pipe.masks import load_tokenizer
     tok = load_tokenizer(MODEL, False)
-    skip = json.load(open(f"{w}/prep_orig/manifest.json"))["counts"]["records_read"]
+    skip = json.load(open(f"{w}/{prep}/manifest.json"))["counts"]["records_read"]
     kinds, firsts = {"chat": [], "code": []}, set()  # firsts: every user turn seen, training records' included
     for i, (where, rec) in enumerate(iter_records("sharegpt")):
         try:

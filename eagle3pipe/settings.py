@@ -194,6 +194,7 @@ class Train(Record):
     checkpoint_freq: float = rule(gt=0)
     log_every: int = rule(ge=1)
     val_ratio: float = rule(gt=0, lt=1)
+    num_samples: Optional[int] = rule(ge=1)
     num_workers: Optional[int] = rule(ge=0)
     fsdp: bool = rule()
     loss_implementation: str = rule(choices=("auto", "fused", "eager"))

@@ -182,7 +182,9 @@ def run_identity(s, prep, ext, voc, recipe, dtype):
     """What makes two runs the same: the inputs' content ids, the sizes, the optimizer's settings, the split, the
     draft's recipe (training.recipe, resolved) and the compute dtype `dtype` (compute.resolve(...).dtype)."""
     return {"prepared": prep["content_id"], "extract": ext["content_id"], "vocab": voc["content_id"],
-            **{k: getattr(s, k) for k in SETTINGS}, "dtype": dtype, "recipe": dict(recipe)}
+            **{k: getattr(s, k) for k in SETTINGS}, "dtype": dtype, "recipe": dict(recipe),
+            # only when given: runs recorded before the flag existed trained on every row and resume as they were
+            **({"num_samples": s.num_samples} if s.num_samples is not None else {})}
 
 
 def _flat(identity):

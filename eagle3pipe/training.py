@@ -258,6 +258,17 @@ def check_draft_arch(recipe_, text_cfg):
                          "--no-norm-before-fc, or --draft-arch llama")
 
 
+def first_rows(args, rows, failed):
+    """--num-samples N: the first N rows (row i stays hs_i, so stage 02's folder serves any N). -> (rows, failed)."""
+    n = args.num_samples
+    if n is None:
+        return rows, failed
+    if n > len(rows):
+        raise UsageError(f"--num-samples {n}: --prepared-data {args.prepared_data} holds {len(rows)} rows; give at "
+                         f"most {len(rows)}, or leave it out to train on all of them")
+    return rows[:n], {i for i in failed if i < n}
+
+
 def check_split(rows, val_ratio):
     """speculators splits the rows at int(rows x (1 - val_ratio)): both sides must hold a row."""
     cut = int(rows * (1 - val_ratio))

@@ -1,0 +1,341 @@
+"""The scaling study (docs/RECIPE.md, "Data is the lever"): the embedded verifier's draft trained on 300 to all of the
+package's ShareGPT conversations, every epoch measured on held-out prompts by the acceptance measure without vLLM
+(eagle3pipe/acceptance.py) at k=3 and k=5, the best draft of each size confirmed through vLLM by stage 05.
+
+    python -m bench.bench_scaling_quality prepare --work W            # stages 01 + 03 on all but the last 500
+                                                                      # records, 200 held-out prompts from those (CPU)
+    python -m bench.bench_scaling_quality carry   --work W --out D    # W's inputs in 30 MB parts (transfer limit)
+    python -m bench.bench_scaling_quality uncarry --work W --src D
+    python -m bench.bench_scaling_quality extract --work W --states S # stage 02 (HF, fp8) once, for every size
+    python -m bench.bench_scaling_quality train   --work W --states S --runs 300:10:0,1000:10:0,all:3:0 --parallel 4
+    python -m bench.bench_scaling_quality measure --work W            # every epoch of every run, k=3 and k=5
+    python -m bench.bench_scaling_quality pack    --work W --runs n300-s0,... --out D   # best epochs, bf16
+    python -m bench.bench_scaling_quality confirm --work W --runs ... --name N          # stage 05 through vLLM
+    python -m bench.bench_scaling_quality report  --work W [--plot docs/scaling_quality.png]
+
+A run is SIZE:EPOCHS:SEED; SIZE is a row count (stage 04's --num-samples: the first N rows of stage 01's shuffled
+output, a random subset of the training records) or `all`. Every step runs the numbered scripts as a user would and
+skips what W already holds, so a stopped study resumes. The measure runs on a GPU when there is one: references
+(the verifier's greedy continuation of each prompt, 128 + 5 tokens, EOS not stopping it) are made once, batched,
+in float32, and stored in W/refs.pt; each checkpoint is then one TTT forward per prompt.
+"""
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from bench.bench_recipe import CFG, MODEL, held_out, must, py, unpack
+from bench.common import REPO, result
+
+K, MAX_NEW = 5, 128  # one forward with 5 TTT steps gives k=3 (its first 3 steps) and k=5
+
+
+def prepare(w, holdout, per_kind):
+    from eagle3pipe.conversations import iter_records
+    os.makedirs(f"{w}/logs", exist_ok=True)
+    if not os.path.isfile(f"{w}/prep/manifest.json"):
+        total = sum(1 for _ in iter_records("sharegpt"))
+        must(py("01_prepare_dataset.py", "--config", CFG, "--num-samples", str(total - holdout), "--output-dir",
+                f"{w}/prep", log=f"{w}/logs/prep.log"), "stage 01", f"{w}/logs/prep.log")
+    if not os.path.isfile(f"{w}/vocab/manifest.json"):
+        must(py("03_build_vocab_mapping.py", "--config", CFG, "--prepared-data", f"{w}/prep", "--output-dir",
+                f"{w}/vocab", log=f"{w}/logs/vocab.log"), "stage 03", f"{w}/logs/vocab.log")
+    held_out(w, per_kind, prep="prep")
+
+
+def carry(w, dst):
+    os.makedirs(dst, exist_ok=True)
+    subprocess.run(f"tar -C {w} -cf - prep vocab heldout.jsonl | zstd -q -T0 -10 | split -b 30M -d - {dst}/inputs.part",
+                   shell=True, check=True)
+
+
+def uncarry(w, src):
+    os.makedirs(w, exist_ok=True)
+    if not os.path.isfile(f"{w}/prep/manifest.json"):
+        subprocess.run(f"cat {src}/inputs.part* | zstd -q -d | tar -C {w} -xf -", shell=True, check=True)
+
+
+def extract(w, states):
+    if not os.path.isfile(f"{states}/manifest.json"):
+        log = f"{w}/logs/extract.log"
+        must(py("02_extract_hidden_states.py", "--config", CFG, "--backend", "hf", "--storage-dtype", "fp8",
+                "--batch-size", "16", "--prepared-data", f"{w}/prep", "--output-dir", states, log=log), "stage 02", log)
+
+
+def run_name(size, seed):
+    return f"n{size}-s{seed}"
+
+
+def train(w, states, runs, parallel, extra):
+    import concurrent.futures
+    os.makedirs(f"{w}/ck", exist_ok=True)
+
+    def one(spec):
+        size, epochs, seed = spec.split(":")
+        name = run_name(size, seed)
+        if os.path.isfile(f"{w}/ck/{name}/manifest.json"):
+            return name, 0, "done earlier"
+        log = f"{w}/logs/train_{name}.log"
+        code = py("04_train.py", "--config", CFG, "--prepared-data", f"{w}/prep", "--hidden-states", states,
+                  "--vocab-mapping", f"{w}/vocab", "--output-dir", f"{w}/ck/{name}", "--epochs", epochs, "--seed",
+                  seed, *([] if size == "all" else ["--num-samples", size]), *extra, log=log)
+        return name, code, log
+
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        for name, code, log in pool.map(one, runs):
+            print(f"{name}: {'ok' if code == 0 else f'stopped ({code}), see {log}'}", flush=True)
+
+
+def prompts(w):
+    from eagle3pipe.conversations import normalize
+    from eagle3pipe.masks import load_tokenizer, prompt_ids
+    tok = load_tokenizer(MODEL, False)
+    rows = [json.loads(line) for line in open(f"{w}/heldout.jsonl")]
+    return [prompt_ids(tok, normalize(f"heldout:{i}", r)[1]) for i, r in enumerate(rows)], [r["kind"] for r in rows]
+
+
+def references(w, device):
+    """The verifier's greedy continuation of every prompt, batched with left padding and a KV cache (plain argmax,
+    EOS not stopping it), then each prompt + continuation once more, alone, through the hooked verifier for its
+    auxiliary states (acceptance.Verifier's layer ids and convention). Stored in W/refs.pt."""
+    import torch
+    path = f"{w}/refs.pt"
+    if os.path.isfile(path):
+        return torch.load(path)
+    from eagle3pipe import acceptance
+    ids, kinds = prompts(w)
+    layer_ids = json.load(open(glob.glob(f"{w}/ck/*/manifest.json")[0]))["aux_layer_ids"]
+    ver = acceptance.Verifier(MODEL, layer_ids, "float32", device)
+    model, t0, n_new = ver.model, time.time(), MAX_NEW + K
+    conts = []
+    with torch.inference_mode():
+        for b in range(0, len(ids), 50):
+            chunk = ids[b:b + 50]
+            width = max(map(len, chunk))
+            inp = torch.tensor([[0] * (width - len(x)) + x for x in chunk], device=device)
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in chunk], device=device)
+            out = model(input_ids=inp, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                        use_cache=True)
+            new = []
+            for _ in range(n_new):
+                nxt = out.logits[:, -1].argmax(-1)
+                new.append(nxt)
+                mask = torch.cat([mask, mask.new_ones(len(chunk), 1)], 1)
+                out = model(input_ids=nxt[:, None], attention_mask=mask, past_key_values=out.past_key_values,
+                            position_ids=(mask.sum(1, keepdim=True) - 1), use_cache=True)
+            conts += torch.stack(new, 1).tolist()
+            ver.seen.clear()
+    refs = []
+    for x, c, kind in zip(ids, conts, kinds):
+        ver.seen.clear()
+        tokens = x + c
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([tokens], device=device))
+        aux = torch.cat([torch.cat(ver.seen[s], 0)[:, None] for s in range(len(layer_ids))], 1).flatten(1)
+        refs.append({"tokens": tokens, "aux": aux.float().cpu(), "prompt_len": len(x), "kind": kind})
+    ver.seen.clear()
+    print(f"references: {len(refs)} prompts x {n_new} tokens in {time.time() - t0:.0f} s", flush=True)
+    torch.save(refs, path)
+    return refs
+
+
+def measure(w, device):
+    """Every epoch checkpoint of every run: acceptance length and per position at k=3 and k=5, per prompt kept for
+    the noise band. Appended to W/measure.json as it goes."""
+    import torch
+    from eagle3pipe import acceptance
+    from eagle3pipe.training import expected_acceptance
+    refs = references(w, device)
+    stops = acceptance.stop_ids(MODEL)
+    path = f"{w}/measure.json"
+    done = json.load(open(path)) if os.path.isfile(path) else {}
+    for run in sorted(os.listdir(f"{w}/ck")):
+        for ep in sorted((d for d in os.listdir(f"{w}/ck/{run}") if d.isdigit()), key=int):
+            key, ck = f"{run}/{ep}", f"{w}/ck/{run}/{ep}"
+            if key in done or not os.path.isfile(f"{ck}/model.safetensors"):
+                continue
+            model, _ = acceptance.load_draft(ck, "float32", device, MODEL)
+            t0, rec = time.time(), {}
+            preds = [acceptance.draft_predictions(model, r["aux"], r["tokens"], K).tolist() for r in refs]
+            for k in (3, 5):
+                per_prompt, per_pos = [], [0] * k
+                for r, pred in zip(refs, preds):
+                    d, a, pos = acceptance.simulate(pred[:k], r["tokens"], r["prompt_len"], k, MAX_NEW, stops)
+                    per_prompt.append([d, a])
+                    per_pos = [x + y for x, y in zip(per_pos, pos)]
+                drafts = sum(d for d, _ in per_prompt)
+                rec[f"k{k}"] = {"acceptance_length": 1 + sum(a for _, a in per_prompt) / drafts,
+                                "per_position": [x / drafts for x in per_pos], "per_prompt": per_prompt}
+            vm = f"{ck}/val_metrics.json"
+            rec["trainer"] = expected_acceptance(json.load(open(vm))) if os.path.isfile(vm) else None
+            rec["seconds"] = round(time.time() - t0, 1)
+            done[key] = rec
+            print(f"{key}: k=3 {rec['k3']['acceptance_length']:.4f} k=5 {rec['k5']['acceptance_length']:.4f} "
+                  f"trainer {rec['trainer']} ({rec['seconds']} s)", flush=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(done, f)
+            os.replace(path + ".tmp", path)
+            del model
+            torch.cuda.empty_cache() if device == "cuda" else None
+    return done
+
+
+def bootstrap(per_prompt, n=2000, seed=0):
+    """95% interval of the acceptance length over prompts resampled with replacement."""
+    import random
+    rng, vals = random.Random(seed), []
+    for _ in range(n):
+        s = [per_prompt[rng.randrange(len(per_prompt))] for _ in per_prompt]
+        vals.append(1 + sum(a for _, a in s) / sum(d for d, _ in s))
+    vals.sort()
+    return vals[int(0.025 * n)], vals[int(0.975 * n) - 1]
+
+
+def best_epochs(w, k="k3"):
+    m = json.load(open(f"{w}/measure.json"))
+    best = {}
+    for key, rec in m.items():
+        run, ep = key.split("/")
+        if run not in best or rec[k]["acceptance_length"] > m[f"{run}/{best[run]}"][k]["acceptance_length"]:
+            best[run] = ep
+    return m, best
+
+
+def pack(w, runs, dst):
+    """Each run's best epoch (by the measure at k=3) as one bf16 safetensors without `embed_tokens` (checked equal to
+    the verifier's), its config, val_metrics and the run's manifest in the metadata; 15 MB parts."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    _, best = best_epochs(w)
+    os.makedirs(dst, exist_ok=True)
+    with safe_open(f"{MODEL}/model.safetensors", "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    for run in runs:
+        ck, tensors = f"{w}/ck/{run}/{best[run]}", {}
+        with safe_open(f"{ck}/model.safetensors", "pt") as f:
+            for k in f.keys():
+                t = f.get_tensor(k)
+                if k == "embed_tokens.weight":
+                    if not torch.equal(t.to(embed.dtype), embed):
+                        sys.exit(f"{run}: embed_tokens differs from the verifier's; cannot drop it")
+                    continue
+                tensors[k] = t.to(torch.bfloat16) if t.is_floating_point() else t
+        meta = {"epoch": best[run], **{n: open(p).read() for n, p in (
+            ("config.json", f"{ck}/config.json"), ("val_metrics.json", f"{ck}/val_metrics.json"),
+            ("manifest.json", f"{w}/ck/{run}/manifest.json"))}}
+        save_file(tensors, f"{dst}/{run}.safetensors", metadata=meta)
+        subprocess.run(["split", "-b", "15M", "-d", f"{dst}/{run}.safetensors", f"{dst}/{run}.part"], check=True)
+        os.remove(f"{dst}/{run}.safetensors")
+
+
+def confirm(w, runs, name, num_prompts, batch):
+    """Stage 05 through vLLM on the first `num_prompts` held-out prompts (chat and code alternate), float32 so that
+    its measure beside vLLM is compared in the dtype both compute in."""
+    drafts = [f"{w}/ck/{r}/checkpoint_best" for r in runs]
+    log = f"{w}/logs/confirm_{name}.log"
+    must(py("05_evaluate.py", "--config", CFG, "--draft", *drafts, "--prompts", f"{w}/heldout.jsonl",
+            "--prepared-data", f"{w}/prep", "--num-prompts", str(num_prompts), "--max-new-tokens", str(MAX_NEW),
+            "--num-speculative-tokens", "3", "--batch-sizes", str(batch), "--dtype", "float32", "--measure", "on",
+            "--output-dir", f"{w}/confirm_{name}", log=log), "stage 05", log)
+
+
+def report(w, plot):
+    m, best = best_epochs(w)
+    runs = {}
+    for key, rec in m.items():
+        run, ep = key.split("/")
+        runs.setdefault(run, {})[int(ep)] = rec
+    rows = ["| run | rows | epochs | best epoch (k=3) | k=3 | 95% interval | per position | k=5 | trainer's estimate |",
+            "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
+    out = {}
+    for run in sorted(runs, key=lambda r: (float("inf") if r.split("-")[0][1:] == "all" else int(r.split("-")[0][1:]),
+                                            r)):
+        eps, b = runs[run], m[f"{run}/{best[run]}"]
+        man = json.load(open(f"{w}/ck/{run}/manifest.json")) if os.path.isfile(f"{w}/ck/{run}/manifest.json") else {}
+        lo, hi = bootstrap(b["k3"]["per_prompt"])
+        rows.append(f"| {run} | {man.get('counts', {}).get('rows', '')} | {len(eps)} | {best[run]} | "
+                    f"{b['k3']['acceptance_length']:.3f} | {lo:.3f}-{hi:.3f} | "
+                    f"{' / '.join(f'{x:.2f}' for x in b['k3']['per_position'])} | {b['k5']['acceptance_length']:.3f} | "
+                    f"{b['trainer'] or float('nan'):.3f} |")
+        out[run] = {"best_epoch": best[run], "k3": b["k3"]["acceptance_length"], "k3_interval": [lo, hi],
+                    "k5": b["k5"]["acceptance_length"], "per_epoch_k3": {e: r["k3"]["acceptance_length"]
+                                                                         for e, r in sorted(eps.items())},
+                    "per_epoch_trainer": {e: r["trainer"] for e, r in sorted(eps.items())}}
+    print("\n".join(rows))
+    if plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+        for run, r in out.items():
+            ep = sorted(r["per_epoch_k3"])
+            ax[0].plot([e + 1 for e in ep], [r["per_epoch_k3"][e] for e in ep], marker="o", label=run)
+        ax[0].set(xlabel="epoch", ylabel="acceptance length, k=3 (measure)", title="per epoch, held-out prompts")
+        ax[0].legend(fontsize=7)
+        sized = [(r, v) for r, v in out.items() if r.endswith("-s0")]
+        ax[1].errorbar([i for i, _ in enumerate(sized)], [v["k3"] for _, v in sized],
+                       yerr=[[v["k3"] - v["k3_interval"][0] for _, v in sized],
+                             [v["k3_interval"][1] - v["k3"] for _, v in sized]], marker="o", capsize=3, label="k=3")
+        ax[1].plot([i for i, _ in enumerate(sized)], [v["k5"] for _, v in sized], marker="s", label="k=5")
+        ax[1].set_xticks(range(len(sized)), [r.split("-")[0][1:] for r, _ in sized])
+        ax[1].set(xlabel="training rows", ylabel="acceptance length (best epoch)", title="data")
+        ax[1].legend()
+        fig.tight_layout()
+        fig.savefig(plot, dpi=110)
+    result({"runs": out})
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("step", choices=["prepare", "carry", "uncarry", "extract", "train", "measure", "pack", "unpack",
+                                    "confirm", "report"])
+    p.add_argument("--work", required=True)
+    p.add_argument("--states", default=None, help="stage 02's folder (default: W/hs)")
+    p.add_argument("--holdout", type=int, default=500, help="the package's last N records, never trained on")
+    p.add_argument("--prompts-per-kind", type=int, default=100)
+    p.add_argument("--runs", default="", help="train: SIZE:EPOCHS:SEED,...; pack/confirm: run names")
+    p.add_argument("--parallel", type=int, default=1)
+    p.add_argument("--extra", default="", help="flags every training run gets")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default="")
+    p.add_argument("--src", default="")
+    p.add_argument("--name", default="final")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--plot", default="")
+    a = p.parse_args()
+    w = os.path.abspath(a.work)
+    os.makedirs(f"{w}/logs", exist_ok=True)
+    states = os.path.abspath(a.states or f"{w}/hs")
+    runs = [r for r in a.runs.split(",") if r]
+    if a.step == "prepare":
+        prepare(w, a.holdout, a.prompts_per_kind)
+    elif a.step == "carry":
+        carry(w, a.out)
+    elif a.step == "uncarry":
+        uncarry(w, a.src)
+    elif a.step == "extract":
+        extract(w, states)
+    elif a.step == "train":
+        train(w, states, runs, a.parallel, a.extra.split())
+    elif a.step == "measure":
+        import torch
+        measure(w, a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    elif a.step == "pack":
+        pack(w, runs, a.out)
+    elif a.step == "unpack":
+        unpack(w, a.src)
+    elif a.step == "confirm":
+        confirm(w, runs, a.name, a.num_prompts, a.batch_size)
+    else:
+        report(w, a.plot)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, REPO)
+    main()
