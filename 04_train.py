@@ -21,7 +21,8 @@ import argparse
 import json
 import os
 
-from eagle3pipe import adapters, cli, compute, files, input_watch, online_plan, outdir, train_plan, verifier
+from eagle3pipe import (adapters, cli, compute, files, input_watch, online_plan, outdir, train_plan, validation_measure,
+                        verifier)
 
 
 def parse_args(argv=None):
@@ -66,6 +67,11 @@ def parse_args(argv=None):
                    help="train on the first N rows of stage 01's output (a random subset of its records: stage 01 "
                         "shuffles them by its --seed), validation included; the rest of stage 02's states stay "
                         "unread (default: all)")
+    p.add_argument("--measure-prompts", type=int, default=32,
+                   help="checkpoint_best by the acceptance length vLLM would measure on the first turns of this many "
+                        "validation rows (the verifier's greedy answers, made once; needs the verifier's weights <= "
+                        "10 GB); 0: by the trainer's estimate")
+    p.add_argument("--measure-tokens", type=int, default=64, help="answer tokens per prompt for --measure-prompts")
     p.add_argument("--num-workers", type=int, default=None, help="dataloader workers (default: 0 on CPU; on GPU up to 12 per rank, cores allowing)")
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP under torchrun (default: DDP)")
     cli.add_dtype_flag(p, "the draft (and an --online engine)")
@@ -162,7 +168,8 @@ def main():
         log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(rows) - len(failed)} rows "
                  f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
                  f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}, {dtype.dtype}")
-        result = training.run(cfg, args, on_cpu, dtype.dtype, data.loaders())
+        measure = validation_measure.plan(args, rows, aux, on_cpu) if rank == 0 else None  # for checkpoint_best
+        result = training.run(cfg, args, on_cpu, dtype.dtype, data.loaders(), measure)
     result.update(data.summary())
     if os.path.basename(result["checkpoint_last"] or "") == "interrupted":  # SIGTERM/Ctrl-C: speculators saved it
         log.warning(f"stopped by a signal at step {result['steps']}; checkpoint {out}/interrupted; rerun the same "

@@ -244,7 +244,8 @@ def unpack(w, src):
         save_file(tensors, f"{d}/model.safetensors")
         for n in ("config.json", "val_metrics.json"):
             open(f"{d}/{n}", "w").write(meta[n])
-        open(f"{w}/ck/{run}/manifest.json", "w").write(meta["manifest.json"])
+        if "manifest.json" in meta:  # a run stopped before its end has none
+            open(f"{w}/ck/{run}/manifest.json", "w").write(meta["manifest.json"])
         link = f"{w}/ck/{run}/checkpoint_best"
         if not os.path.islink(link):
             os.symlink(meta["epoch"], link)

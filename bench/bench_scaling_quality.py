@@ -49,14 +49,14 @@ def prepare(w, holdout, per_kind):
 
 def carry(w, dst):
     os.makedirs(dst, exist_ok=True)
-    subprocess.run(f"tar -C {w} -cf - prep vocab heldout.jsonl | zstd -q -T0 -10 | split -b 30M -d - {dst}/inputs.part",
+    subprocess.run(f"tar -C {w} -cf - prep vocab heldout.jsonl | gzip -5 | split -b 30M -d - {dst}/inputs.part",
                    shell=True, check=True)
 
 
 def uncarry(w, src):
     os.makedirs(w, exist_ok=True)
     if not os.path.isfile(f"{w}/prep/manifest.json"):
-        subprocess.run(f"cat {src}/inputs.part* | zstd -q -d | tar -C {w} -xf -", shell=True, check=True)
+        subprocess.run(f"cat {src}/inputs.part* | gzip -dc | tar -C {w} -xf -", shell=True, check=True)
 
 
 def extract(w, states):
@@ -108,7 +108,8 @@ def references(w, device):
         return torch.load(path)
     from eagle3pipe import acceptance
     ids, kinds = prompts(w)
-    layer_ids = json.load(open(glob.glob(f"{w}/ck/*/manifest.json")[0]))["aux_layer_ids"]
+    # the draft's inputs, from any saved checkpoint (a run stopped before its manifest has them too)
+    layer_ids = json.load(open(glob.glob(f"{w}/ck/*/[0-9]*/config.json")[0]))["eagle_aux_hidden_state_layer_ids"]
     ver = acceptance.Verifier(MODEL, layer_ids, "float32", device)
     model, t0, n_new = ver.model, time.time(), MAX_NEW + K
     conts = []
@@ -227,7 +228,7 @@ def pack(w, runs, dst):
                 tensors[k] = t.to(torch.bfloat16) if t.is_floating_point() else t
         meta = {"epoch": best[run], **{n: open(p).read() for n, p in (
             ("config.json", f"{ck}/config.json"), ("val_metrics.json", f"{ck}/val_metrics.json"),
-            ("manifest.json", f"{w}/ck/{run}/manifest.json"))}}
+            ("manifest.json", f"{w}/ck/{run}/manifest.json")) if os.path.isfile(p)}}
         save_file(tensors, f"{dst}/{run}.safetensors", metadata=meta)
         subprocess.run(["split", "-b", "15M", "-d", f"{dst}/{run}.safetensors", f"{dst}/{run}.part"], check=True)
         os.remove(f"{dst}/{run}.safetensors")

@@ -195,6 +195,8 @@ class Train(Record):
     log_every: int = rule(ge=1)
     val_ratio: float = rule(gt=0, lt=1)
     num_samples: Optional[int] = rule(ge=1)
+    measure_prompts: int = rule(ge=0, le=10000)
+    measure_tokens: int = rule(ge=1, le=4096)
     num_workers: Optional[int] = rule(ge=0)
     fsdp: bool = rule()
     loss_implementation: str = rule(choices=("auto", "fused", "eager"))

@@ -440,7 +440,7 @@ def acknowledged_signals(again_after=2.0):
             signal.signal(s, h)
 
 
-def make_trainer_class(dense_log, on_cpu, max_steps):
+def make_trainer_class(dense_log, on_cpu, max_steps, measure=None):
     from speculators.train.trainer import Trainer
 
     class PipelineTrainer(Trainer):
@@ -510,25 +510,32 @@ def make_trainer_class(dense_log, on_cpu, max_steps):
                 publish(str(root), str(epoch), local_step)
 
         def maybe_update_best(self, epoch, val_metrics):
-            """`checkpoint_best` -> the epoch whose draft has the highest expected acceptance length on the
-            validation rows (expected_acceptance), not the lowest loss: the two part ways late in training. Only an
-            epoch that saved a checkpoint can be best (speculators' rule); the link and val_metrics.json are the
-            stage's own files, written through outdir."""
-            score = expected_acceptance(val_metrics)
+            """`checkpoint_best` -> the epoch whose draft has the highest acceptance length by the measure
+            (validation_measure.py: what vLLM would count on the validation rows' first turns), or without it by the
+            expected acceptance length on the validation rows (expected_acceptance); never the lowest loss: the two
+            part ways late in training. Only an epoch that saved a checkpoint can be best (speculators' rule); the
+            link and val_metrics.json are the stage's own files, written through outdir."""
+            estimate = expected_acceptance(val_metrics)
             saved = (self.checkpointer.path / str(epoch) / "config.json").exists()  # this epoch has a checkpoint
-            if score is None:  # no per-position accuracies: speculators' own rule, by loss
+            if estimate is None and measure is None:  # no per-position accuracies: speculators' own rule, by loss
                 super().maybe_update_best(epoch, val_metrics)
-            elif self.rank == 0 and saved:  # every checkpoint carries its estimate (stage 05 ranks by it too)
+            elif self.rank == 0 and saved:  # every checkpoint carries its figures (stage 05 ranks by them too)
                 from .files import write_json
-                write_json(str(self.checkpointer.path / str(epoch) / "val_metrics.json"),
-                           {**val_metrics, "expected_acceptance_length": score})
-                if score <= best_acceptance(self.checkpointer.path, skip=str(epoch)):
+                record = {**val_metrics, "expected_acceptance_length": estimate}
+                if measure is not None:
+                    record["acceptance_measure"] = measure.score(self.model)
+                write_json(str(self.checkpointer.path / str(epoch) / "val_metrics.json"), record)
+                score = best_score(record, measured=measure is not None)[0]
+                said = (f"acceptance length {score:.3f} by the measure ({measure.describe()}); the trainer's "
+                        f"estimate {estimate or float('nan'):.3f} on the validation rows" if measure is not None else
+                        f"expected acceptance length {score:.3f} on the validation rows")
+                if score <= best_acceptance(self.checkpointer.path, skip=str(epoch), measured=measure is not None):
                     outdir.record(str(self.checkpointer.path / str(epoch) / "val_metrics.json"))
+                    log.info(f"epoch {epoch}: {said}; checkpoint_best stays")
                     return
                 outdir.symlink(str(epoch), str(self.checkpointer.path / "checkpoint_best"))
                 self.best_val_loss = min(self.best_val_loss, val_metrics.get("loss_epoch", float("inf")))
-                log.info(f"checkpoint_best -> {epoch}: expected acceptance length {score:.3f} on the validation rows "
-                         f"(loss {val_metrics.get('loss_epoch', float('nan')):.4f})")
+                log.info(f"checkpoint_best -> {epoch}: {said} (loss {val_metrics.get('loss_epoch', float('nan')):.4f})")
             if self.rank == 0:
                 for name in ("checkpoint_best", f"{epoch}/val_metrics.json"):
                     if os.path.lexists(self.checkpointer.path / name):
@@ -549,18 +556,28 @@ def expected_acceptance(val_metrics):
     return round(1 + sum(float(val_metrics[f"full_acc_{k}_epoch"]) for k in ks), 6)
 
 
-def best_acceptance(root, skip=None):
-    """The expected acceptance length `checkpoint_best` was chosen for (-1 when there is none yet, or when it is
-    the checkpoint `skip`, whose estimate is being replaced)."""
+def best_score(val_metrics, measured):
+    """What `checkpoint_best` is chosen by: the measure's acceptance length when the run measures (a checkpoint
+    saved without it, by an earlier run, scores -1 and is replaced), else the trainer's estimate. -> (score, name)."""
+    if measured:
+        got = (val_metrics.get("acceptance_measure") or {}).get("acceptance_length")
+        return (-1.0 if got is None else float(got)), "measure"
+    got = expected_acceptance(val_metrics)
+    return (-1.0 if got is None else got), "estimate"
+
+
+def best_acceptance(root, skip=None, measured=False):
+    """The score (best_score) `checkpoint_best` was chosen for (-1 when there is none yet, or when it is the
+    checkpoint `skip`, whose figures are being replaced)."""
     best = os.path.join(str(root), "checkpoint_best")
     if skip is not None and os.path.islink(best) and os.readlink(best) == skip:
         return -1.0
     try:
         with open(os.path.join(best, "val_metrics.json"), encoding="utf-8") as f:
-            score = expected_acceptance(json.load(f))
+            vm = json.load(f)
     except (OSError, ValueError):
         return -1.0
-    return -1.0 if score is None else score
+    return best_score(vm, measured)[0] if isinstance(vm, dict) else -1.0
 
 
 def discard_staged(staged):
@@ -765,10 +782,11 @@ def fused_loss_fails(draft_vocab, ttt_steps, loss_fn="kl_div", tokens=256):
         torch._dynamo.reset()
 
 
-def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None):
+def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None):
     """speculators' own training entry point, with our Trainer subclass and dense log attached (adapters.py, for the
     run only); `dtype` the compute dtype (train_config's); `loaders`: a context that adapts speculators' data loaders
-    for the run (online.loaders), or None."""
+    for the run (online.loaders), or None; `measure`: validation_measure.Measure choosing checkpoint_best, or None
+    (the trainer's estimate chooses it)."""
     from . import adapters, lifeline
     import warnings
     lifeline.start()  # data-loader and compile workers die with the stage too, however it ends
@@ -779,7 +797,7 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None):
     if int(os.environ.get("RANK", "0")) == 0:
         os.close(outdir.open_append(os.path.join(logs, "metrics.jsonl")))  # refused now, not after an epoch
     dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"))
-    trainer_cls = make_trainer_class(dense, on_cpu, args.max_steps)
+    trainer_cls = make_trainer_class(dense, on_cpu, args.max_steps, measure)
     holder = {}
 
     class Recording(trainer_cls):
@@ -808,4 +826,6 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None):
             "checkpoint_last": real("last"),
             "checkpoint_best": real("checkpoint_best"), "best_val_loss": getattr(t, "best_val_loss", None),
             "best_expected_acceptance": max(best_acceptance(path), 0) or None if path else None,
+            "best_acceptance_measure": (max(best_acceptance(path, measured=True), 0) or None) if path and measure
+            else None,
             "data_wait_fraction": dense.wait_fraction}

@@ -91,15 +91,17 @@ def stages(tmp_path_factory, model_path):
 
 
 def train_args(model_path, d, out, *extra):
+    # checkpoint_best by the measure costs the verifier's continuations once per run: the tests that check it ask
+    measure = [] if "--measure-prompts" in extra else ["--measure-prompts", "0"]
     return ["04_train.py", "--model-path", model_path, "--prepared-data", str(d["prepared"]), "--hidden-states",
             str(d["hs"]), "--vocab-mapping", str(d["vocab"]), "--output-dir", str(out), "--total-seq-len", "1024",
-            "--log-every", "1", *extra]
+            "--log-every", "1", *measure, *extra]
 
 
 def online_args(model_path, d, out, *extra):
     return ["04_train.py", "--online", "--model-path", model_path, "--prepared-data", str(d["prepared"]),
             "--vocab-mapping", str(d["vocab"]), "--output-dir", str(out), "--total-seq-len", "1024", "--log-every",
-            "1", *extra]
+            "1", "--measure-prompts", "0", *extra]
 
 
 def losses(stderr):
@@ -109,7 +111,8 @@ def losses(stderr):
 @pytest.fixture(scope="session")
 def trained(stages, model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt") / "draft"
-    p, _ = run_script(*train_args(model_path, stages, out, "--epochs", "4", "--lr", "3e-3"))
+    p, _ = run_script(*train_args(model_path, stages, out, "--epochs", "4", "--lr", "3e-3", "--measure-prompts", "4",
+                                  "--measure-tokens", "24"))
     assert p.returncode == 0, p.stderr[-4000:]
     return out, p
 

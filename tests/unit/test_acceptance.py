@@ -77,3 +77,42 @@ def test_the_trainers_formula_counts_every_index_of_the_output():
         pred[0][i] = t[i + 2]
     assert position_hits(pred, t, P - 1, P + 7) == (8, [4, 0, 0])
     assert position_hits(perfect(t), t, P - 1, P + 7) == (8, [8, 8, 8])
+
+
+def test_stage04_measures_on_the_first_turn_of_validation_rows_only():
+    """validation_measure.validation_prompts: speculators' split (rows from int(n x (1 - val_ratio)) on), each prompt
+    the ids before the row's first trained token; a row with no trained token, a repeated prompt or a prompt longer
+    than MAX_PROMPT_TOKENS is passed over."""
+    from eagle3pipe.validation_measure import MAX_PROMPT_TOKENS, validation_prompts
+    train = [([1, 2, 3, 4], [0, 0, 1, 1])] * 8  # never used: before the cut
+    val = [([5, 6, 7, 8], [0, 0, 0, 0]),  # nothing trained: no first turn to continue
+           ([5, 6, 7, 8], [0, 0, 1, 1]),
+           ([5, 6, 9, 9], [0, 0, 1, 1]),  # the same prompt again
+           (list(range(MAX_PROMPT_TOKENS + 2)), [0] * (MAX_PROMPT_TOKENS + 1) + [1]),
+           ([10, 11, 12, 13], [0, 1, 0, 1])]
+    assert validation_prompts(train + val, 5 / 13, 10) == [[5, 6], [10]]
+    assert validation_prompts(train + val, 5 / 13, 1) == [[5, 6]]
+
+
+def test_checkpoint_best_by_the_measure_never_compares_it_with_the_estimate():
+    """training.best_score: a run that measures scores a checkpoint saved without the measure (an earlier run's) at
+    -1, so the first measured epoch replaces it; a run that does not measure keeps the trainer's estimate."""
+    from eagle3pipe.training import best_score
+    vm = {"full_acc_0_epoch": 0.5, "full_acc_1_epoch": 0.25}
+    assert best_score(vm, measured=False) == (1.75, "estimate")
+    assert best_score(vm, measured=True) == (-1.0, "measure")
+    assert best_score({**vm, "acceptance_measure": {"acceptance_length": 1.4}}, measured=True) == (1.4, "measure")
+
+
+def test_num_samples_takes_the_first_rows_and_refuses_more_than_there_are():
+    """Stage 04's --num-samples: the first N rows (row i stays hs_i), failed rows past N forgotten; N above the row
+    count is refused in one line naming the flag and the folder."""
+    from types import SimpleNamespace
+    from eagle3pipe.errors import UsageError
+    from eagle3pipe.training import first_rows
+    rows = [([i], [1]) for i in range(10)]
+    args = SimpleNamespace(num_samples=4, prepared_data="data/prepared")
+    assert first_rows(args, rows, {2, 7}) == (rows[:4], {2})
+    assert first_rows(SimpleNamespace(num_samples=None), rows, {7}) == (rows, {7})
+    with pytest.raises(UsageError, match=r"--num-samples 11: --prepared-data data/prepared holds 10 rows"):
+        first_rows(SimpleNamespace(num_samples=11, prepared_data="data/prepared"), rows, set())
