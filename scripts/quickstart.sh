@@ -3,6 +3,9 @@
 # ShareGPT conversations through every stage, then the acceptance table.
 #   bash scripts/quickstart.sh                       # up to 300 conversations, 1 epoch, fitted to ~25 minutes
 #   NUM_SAMPLES=2000 EPOCHS=3 bash scripts/quickstart.sh   # exactly these, however long they take
+# With an NVIDIA GPU (nvidia-smi lists one) it trains on all the package's conversations but the last 1,000 (kept
+# for stage 05's 100 held-out prompts), 3 epochs, hidden states stored in fp8 (about 55 GB of disk), and says so
+# before it starts; NUM_SAMPLES / EPOCHS / NUM_PROMPTS still choose.
 # Before the run it measures this machine (one forward of the verifier, ~10 s) and prints what each stage will
 # take. On a slow CPU it trains on fewer conversations so the run fits BUDGET_MIN minutes (default 24, for stages
 # 02-05), and says so; NUM_SAMPLES fixes the number. Every stage computes in the dtype that is fast here (bf16
@@ -25,6 +28,15 @@ MODEL=data/models/smollm2-135m-instruct
 N=${NUM_SAMPLES:-300}
 EPOCHS=${EPOCHS:-1}
 PROMPTS=${NUM_PROMPTS:-8}
+GPU=0; STATES=()
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  GPU=1; STATES=(--storage-dtype fp8)
+  total=$($PY -c 'from eagle3pipe.conversations import iter_records as r; print(sum(1 for _ in r("sharegpt")))')
+  N=${NUM_SAMPLES:-$((total - 1000))}; EPOCHS=${EPOCHS:-3}; PROMPTS=${NUM_PROMPTS:-100}
+  echo "quickstart: an NVIDIA GPU: training on $N of the package's $total ShareGPT conversations (the last 1,000" \
+       "kept for the evaluation), $EPOCHS epochs, hidden states in fp8 (about 55 GB of disk for all of them); on a" \
+       "CPU the quickstart fits ~25 minutes instead"
+fi
 start=$(date +%s)
 stamp() { echo "quickstart: $1 done at +$(( $(date +%s) - start )) s"; }
 echo "quickstart: $N ShareGPT conversations -> SmolLM2's chat template (01) -> its hidden states (02) -> a draft" \
@@ -33,18 +45,21 @@ echo "quickstart: $N ShareGPT conversations -> SmolLM2's chat template (01) -> i
 prev=$($PY -c 'import json; print(json.load(open("data/prepared/manifest.json"))["args"]["num_samples"])' 2>/dev/null || true)
 if [ -z "${NUM_SAMPLES:-}" ] && [ -n "$prev" ] && [ "$prev" != None ]; then N=$prev; fi
 $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";          stamp "01 prepare"
-budget=(); [ -z "${NUM_SAMPLES:-}" ] && [ -z "$prev" ] && budget=(--budget-min "${BUDGET_MIN:-24}")
-rc=0
-fit=$($PY -m eagle3pipe.estimate --model-path $MODEL --prepared-data data/prepared --samples "$N" \
-      --epochs "$EPOCHS" --num-prompts "$PROMPTS" --max-new-tokens 64 --batch-sizes 1,4 ${budget[@]+"${budget[@]}"}) \
-  || rc=$?
-[ "$rc" -eq 2 ] && exit 2  # a refusal (its line is above): never a run of another size than asked
-[ "$rc" -ne 0 ] && { echo "quickstart: the estimate failed (above); keeping $N conversations" >&2; fit=""; }
+budget=(); [ -z "${NUM_SAMPLES:-}" ] && [ -z "$prev" ] && [ $GPU = 0 ] && budget=(--budget-min "${BUDGET_MIN:-24}")
+fit=""
+if [ $GPU = 0 ]; then  # the CPU path measures this machine and fits the budget; a GPU takes everything
+  rc=0
+  fit=$($PY -m eagle3pipe.estimate --model-path $MODEL --prepared-data data/prepared --samples "$N" \
+        --epochs "$EPOCHS" --num-prompts "$PROMPTS" --max-new-tokens 64 --batch-sizes 1,4 ${budget[@]+"${budget[@]}"}) \
+    || rc=$?
+  [ "$rc" -eq 2 ] && exit 2  # a refusal (its line is above): never a run of another size than asked
+  [ "$rc" -ne 0 ] && { echo "quickstart: the estimate failed (above); keeping $N conversations" >&2; fit=""; }
+fi
 if [[ "$fit" =~ ^[0-9]+$ ]] && [ "$fit" -lt "$N" ]; then
   N=$fit
   $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";        stamp "01 prepare ($N conversations)"
 fi
-$PY 02_extract_hidden_states.py --config $CFG;                      stamp "02 extract"
+$PY 02_extract_hidden_states.py --config $CFG ${STATES[@]+"${STATES[@]}"}; stamp "02 extract"
 $PY 03_build_vocab_mapping.py --config $CFG;                         stamp "03 vocab map"
 $PY 04_train.py --config $CFG --epochs "$EPOCHS";                    stamp "04 train"
 $PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "$PROMPTS" \
