@@ -40,9 +40,24 @@ log = logging.getLogger("eagle3pipe")
 
 PINNED = {"speculators": "0.9.0", "vllm": "0.32.0", "torch": "2.13.0"}  # what requirements.txt installs
 
+# the stage's Trainer subclass (training.make_trainer_class) overrides these methods of speculators' Trainer and reads
+# or writes these of its attributes: a rename would silently skip our override (checkpoint_best back to the lowest
+# loss, saves no longer staged) or write a name nothing reads
+TRAINER_OVERRIDES = ("setup_model", "setup_trainer", "train_epoch", "run_training", "maybe_save_checkpoint",
+                     "maybe_update_best")
+TRAINER_ATTRS = ("best_val_loss", "checkpointer", "global_step", "train_loader", "val_loader", "local_rank",
+                 "device_type", "model", "rank", "config")
+
 # (distribution, file in it, what must be there): every private name of another library the pipeline relies on
 PRIVATE = {
     "speculators": [
+        *[("speculators/train/trainer.py", rf"\n    def {m}\(", f"Trainer.{m} (overridden by the stage's trainer)")
+          for m in TRAINER_OVERRIDES],
+        *[("speculators/train/trainer.py", rf"self\.{m}\(", f"Trainer calls self.{m}")
+          for m in ("maybe_update_best", "maybe_save_checkpoint")],
+        *[("speculators/train/trainer.py", rf"self\.{a}\b", f"Trainer.{a} (read or written by the stage's trainer)")
+          for a in TRAINER_ATTRS],
+        ("speculators/train/checkpointer.py", r"self\.path = ", "checkpointer.path (pointed at .saving/ for a save)"),
         ("speculators/train/cli.py", r"\bsetup_metric_logger\(", "speculators.train.cli.setup_metric_logger (called "
                                                                   "by name)"),
         ("speculators/train/cli.py", r"\bTrainer\(", "speculators.train.cli.Trainer (built by name)"),

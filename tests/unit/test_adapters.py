@@ -109,3 +109,24 @@ def test_a_recipe_option_the_installed_vllm_cannot_serve_is_one_line(monkeypatch
     with pytest.raises(UsageError) as e:
         adapters.check_serves({"draft_arch": "llama", "fc_norm": True})
     assert "\n" not in str(e.value) and str(e.value).startswith("--fc-norm: vllm") and "0.32" in str(e.value)
+
+
+def test_every_trainer_method_we_override_and_attribute_we_touch_is_checked():
+    """The stage's Trainer subclasses (training.py) override speculators' methods and read or write its instance's
+    attributes (`self.best_val_loss = ...`, `self.checkpointer.path = ...`): each such name must be in
+    adapters.TRAINER_OVERRIDES / TRAINER_ATTRS, which PRIVATE checks against the installed speculators, so a
+    rename upstream is one line before torch loads, not a silently skipped override."""
+    from speculators.train.trainer import Trainer
+    tree = ast.parse(open(os.path.join(REPO, "eagle3pipe", "training.py")).read())
+    overrides, touched = set(), set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        if not any(getattr(b, "id", "") in ("Trainer", "trainer_cls") for b in cls.bases):
+            continue
+        overrides |= {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and hasattr(Trainer, f.name)}
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                    and not hasattr(Trainer, node.attr):  # an instance attribute, read or written
+                touched.add(node.attr)
+    assert overrides and overrides <= set(adapters.TRAINER_OVERRIDES), overrides - set(adapters.TRAINER_OVERRIDES)
+    assert touched <= set(adapters.TRAINER_ATTRS), touched - set(adapters.TRAINER_ATTRS)
+    assert "maybe_update_best" in overrides and {"best_val_loss", "checkpointer"} <= touched
