@@ -18,6 +18,7 @@ from .errors import UsageError
 
 MANIFEST = "manifest.json"
 RUN_FILE = ".run.json"  # written when a resumable stage starts: {"stage", "identity"}
+SKIPPED = "skipped.jsonl"  # in a stage 04 folder's logs/: one line per sample skipped, offline and online alike
 STAGE_SCRIPTS = {
     "prepare": "01_prepare_dataset.py", "extract": "02_extract_hidden_states.py",
     "vocab": "03_build_vocab_mapping.py", "train": "04_train.py", "evaluate": "05_evaluate.py",

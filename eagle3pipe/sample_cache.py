@@ -10,8 +10,8 @@ import threading
 import time
 
 from . import outdir
+from .files import SKIPPED
 from .engine import clear_spool, parent_death_signal, wait_for_engine_file
-from .training import SKIPPED
 from .errors import RunError
 
 log = logging.getLogger("eagle3")

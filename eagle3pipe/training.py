@@ -107,7 +107,6 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
     return prep, ext, voc, rows, failed
 
 
-SKIPPED = "skipped.jsonl"  # in logs/: one line per sample skipped, offline (CheckedFiles) and online alike
 CHECKED = "eagle3pipe-checked"  # our transfer's name in speculators' backend registry
 MAX_BAD_SHARE = 0.01  # of the rows: more bad samples than this (and more than one) stop the run
 
@@ -170,7 +169,7 @@ class CheckedFiles:
 def skipped_rows(out):
     """How many samples CheckedFiles skipped in this folder's runs (logs/skipped.jsonl)."""
     try:
-        with open(os.path.join(out, "logs", SKIPPED), encoding="utf-8") as f:
+        with open(os.path.join(out, "logs", files.SKIPPED), encoding="utf-8") as f:
             return len({json.loads(line)["row"] for line in f if line.strip()})
     except (OSError, ValueError, KeyError, TypeError):
         return 0
@@ -204,7 +203,7 @@ class OfflineData:
         wait_for_bridge(self.bridge)
         failed = {int(i) for i in self.ext.get("failures", {})}  # no file: stage 02 could not extract them
         install_checked(CheckedFiles(os.path.abspath(self.args.hidden_states), len(self.ext["layer_ids"]),
-                                     self.ext["verifier"]["hidden_size"], os.path.join(self.out, "logs", SKIPPED),
+                                     self.ext["verifier"]["hidden_size"], os.path.join(self.out, "logs", files.SKIPPED),
                                      len(self.rows), self.dtype, failed))
         return self
 

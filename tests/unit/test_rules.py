@@ -130,7 +130,8 @@ def record(cls, **over):
                 num_prompts=1, num_speculative_tokens=1, max_new_tokens=1, batch_sizes=[1], draft_vocab_size=8,
                 gpu_memory_utilization=0.5, regen_temperature=0.0, regen_max_tokens=1, regen_batch_size=1,
                 regen_tp_size=1, cache_gb=0.0, engine_timeout=60, draft_arch="auto", loss_fn="kl_div",
-                ttt_step_loss_decay=1.0, optimizer="muon", scheduler="linear", measure="auto")
+                ttt_step_loss_decay=1.0, optimizer="muon", scheduler="linear", measure="auto", measure_prompts=32,
+                measure_tokens=64)
     for flag in ("trust_remote_code", "regenerate", "verify", "verify_data", "dry_run", "overwrite", "fsdp", "online",
                  "fc_norm", "norm_output"):
         base[flag] = False
@@ -143,6 +144,8 @@ def record(cls, **over):
     (settings.Train, {"checkpoint_freq": math.inf}, "finite"),
     (settings.Train, {"warmup_steps": -5}, "--warmup-steps -5: must be at least 0"),
     (settings.Train, {"num_workers": -1}, "--num-workers -1: must be at least 0"),
+    (settings.Train, {"measure_prompts": -1}, "--measure-prompts -1: must be at least 0"),
+    (settings.Train, {"num_samples": 0}, "--num-samples 0: must be at least 1"),
     (settings.Train, {"lr": 1.5}, "--lr 1.5: must be less than 1"),
     (settings.Train, {"device": "tpu"}, "--device 'tpu': choose one of auto, cpu, cuda"),
     (settings.Train, {"epochs": True}, "--epochs True: expected an integer"),
