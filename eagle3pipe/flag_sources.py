@@ -30,6 +30,8 @@ IGNORED_UNLESS = {
         # step k's loss weighs decay**k (speculators' exp_loss_decay): a single step (k = 0) always weighs 1
         ("ttt_step_loss_decay", lambda r: r.ttt_steps > 1 or r.ttt_step_loss_decay == 1, ("ttt_steps",),
          "with one TTT step there is no later step to weigh less"),
+        ("measure_tokens", lambda r: r.measure_prompts > 0, ("measure_prompts",),
+         "with no prompts to measure on, the trainer's estimate chooses checkpoint_best"),
     ],
 }
 

@@ -31,6 +31,8 @@ MODEL = "data/models/smollm2-135m-instruct"
      ["'warmup_steps: 3' in --config {t}/c.yaml contradicts --scheduler none"]),
     ("04_train.py", "", ["--ttt-steps", "1", "--ttt-step-loss-decay", "0.8"],
      ["--ttt-step-loss-decay 0.8 contradicts --ttt-steps 1", "one TTT step"]),
+    ("04_train.py", "", ["--measure-prompts", "0", "--measure-tokens", "32"],
+     ["--measure-tokens 32 contradicts --measure-prompts 0", "the trainer's estimate chooses checkpoint_best"]),
 ])
 def test_a_flag_the_settings_ignore_is_refused_naming_both(tmp_path, script, config, argv, needles):
     (tmp_path / "c.yaml").write_text(f"model_path: {MODEL}\n" + config)
