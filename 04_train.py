@@ -108,7 +108,7 @@ def main():
     log = cli.setup_logging()
     rank = int(os.environ.get("RANK", "0"))
     device = train_plan.check_device(args)  # --device, --loss-implementation, --num-workers: before anything loads
-    from eagle3pipe import online, training
+    from eagle3pipe import checkpoints, online, train_data, training
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     adapters.check_private("speculators")  # the private names adapters.py relies on, before torch loads
     recipe = training.recipe(args, fp, tc)
@@ -121,11 +121,11 @@ def main():
         outdir.check("--output-dir", args.output_dir, "train", inputs)
     layer_ids = verifier.resolve_layer_ids(args.layer_ids, fp["num_hidden_layers"]) if args.online else None
     # rank 0 reads every file against its checksum; the other ranks wait for its bridge
-    prep, ext, voc, rows, failed = training.check_inputs(args, fp, verify_data=rank == 0 and args.verify_data,
+    prep, ext, voc, rows, failed = train_data.check_inputs(args, fp, verify_data=rank == 0 and args.verify_data,
                                                          online_layer_ids=layer_ids)
-    rows, failed = training.first_rows(args, rows, failed)  # --num-samples
+    rows, failed = train_data.first_rows(args, rows, failed)  # --num-samples
     longest = max(len(r[0]) for r in rows)
-    training.check_split(len(rows), args.val_ratio)
+    train_data.check_split(len(rows), args.val_ratio)
     draft_vocab = voc["counts"]["draft_vocab_size"]
     training.check_draft_memory(args.num_layers, tc, draft_vocab, device.on_gpu)
     dtype = compute.resolve(args.dtype, device.on_gpu)
@@ -142,7 +142,7 @@ def main():
         train_plan.check_resume(args, identity)
     watch = input_watch.stage04_inputs(args, prep, ext, voc)
     input_watch.watch_training(watch)  # re-checked at each checkpoint, and before the manifest
-    out, previous = training.prepare_output(args, identity, inputs, rank,  # rank 0 holds the folder's lock from here on
+    out, previous = checkpoints.prepare_output(args, identity, inputs, rank,  # rank 0 holds the folder's lock from here on
                                             carry=lambda old: train_plan.horizon(args))
     if rank == 0:  # the first line once every check has passed: what the run will compute in, and why
         log.info(dtype.describe())
@@ -160,7 +160,7 @@ def main():
         training.write_draft_layer(out, recipe, tc, args.num_layers)
     bridge = os.path.join(out, ".bridge")  # stage 01's rows as speculators' Arrow table
     data = online.Session(args, states, out, rank, rows, bridge) if states else \
-        training.OfflineData(args, ext, out, rank, rows, bridge, dtype.dtype)
+        train_data.OfflineData(args, ext, out, rank, rows, bridge, dtype.dtype)
     with data:  # online: the engine runs (and is watched) until training ends
         cfg = training.train_config(args, bridge, aux, on_cpu, voc["counts"]["draft_vocab_size"],
                                     storage=ext.get("storage_dtype", "bf16"), engine_url=data.url, dtype=dtype.dtype,

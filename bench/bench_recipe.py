@@ -150,7 +150,7 @@ def train(w, arms, seeds, parallel, workers, custom, extra_flags=()):
 def estimates(w):
     """{run: {"epochs": {epoch: expected acceptance}, "best": ..., "best_epoch": ...}} from each checkpoint's
     val_metrics.json (the trainer's per-position accuracies on the validation rows)."""
-    from eagle3pipe.training import expected_acceptance
+    from eagle3pipe.checkpoints import expected_acceptance
     out = {}
     for run in sorted(os.listdir(f"{w}/ck")):
         eps = {}

@@ -23,7 +23,6 @@ import argparse
 import glob
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -149,7 +148,7 @@ def measure(w, device):
     the noise band. Appended to W/measure.json as it goes."""
     import torch
     from eagle3pipe import acceptance
-    from eagle3pipe.training import expected_acceptance
+    from eagle3pipe.checkpoints import expected_acceptance
     refs = references(w, device)
     stops = acceptance.stop_ids(MODEL)
     path = f"{w}/measure.json"

@@ -85,7 +85,7 @@ def rank(found, run):
     """Each checkpoint measured on the same prompts (`run(path)` -> its figures by batch size), best first by the
     acceptance length at batch size 1. -> ([{"name", "draft", "acceptance_length", "per_position", "trainer"}],
     the best one's figures)."""
-    from .training import expected_acceptance
+    from .checkpoints import expected_acceptance
     rows, figures = [], {}
     for name, path in found:
         figures[name] = got = run(os.path.abspath(path))
@@ -144,7 +144,7 @@ MARGIN = 0.15  # acceptance length: the trainer's estimate and vLLM's measuremen
 def reconcile(draft, measured):
     """The trainer's estimate for a checkpoint (its val_metrics.json) beside vLLM's measurement (`measured`: one
     batch size's figures) -> {"trainer": ..., "vllm": ..., "per_position": [[trainer, vllm], ...], "note"}."""
-    from .training import expected_acceptance
+    from .checkpoints import expected_acceptance
     val = _val_metrics(draft)
     est, got = expected_acceptance(val), measured.get("acceptance_length")
     if est is None or got is None:

@@ -12,7 +12,7 @@ from . import files
 from .errors import RunError, UsageError
 
 log = logging.getLogger("eagle3")
-MAX_EMPTY_SHARE = 0.01  # of an epoch's batches, as training.MAX_BAD_SHARE is of the rows
+MAX_EMPTY_SHARE = 0.01  # of an epoch's batches, as train_data.MAX_BAD_SHARE is of the rows
 
 
 def _signature(path):

@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 
-from . import engine, online_plan, outdir, sample_cache, training
+from . import engine, online_plan, outdir, sample_cache, train_data
 
 log = logging.getLogger("eagle3")
 
@@ -48,8 +48,8 @@ class Session:
                 self.spool = sample_cache.prepare(out, p)
                 self.server = engine.launch(args, p, out, self.rows[0][0][:16], self.spool)
                 self.server.watch(lambda why: stop_run(f"the extraction engine {why}", out))
-                training.build_bridge(self.rows, self.bridge, self.server.url)
-            self.url = training.wait_for_bridge(self.bridge, timeout=args.engine_timeout + 600)
+                train_data.build_bridge(self.rows, self.bridge, self.server.url)
+            self.url = train_data.wait_for_bridge(self.bridge, timeout=args.engine_timeout + 600)
             sample_cache.install(out, p, self.url)
         except BaseException:
             self.__exit__()

@@ -95,9 +95,9 @@ def test_stage04_measures_on_the_first_turn_of_validation_rows_only():
 
 
 def test_checkpoint_best_by_the_measure_never_compares_it_with_the_estimate():
-    """training.best_score: a run that measures scores a checkpoint saved without the measure (an earlier run's) at
+    """checkpoints.best_score: a run that measures scores a checkpoint saved without the measure (an earlier run's) at
     -1, so the first measured epoch replaces it; a run that does not measure keeps the trainer's estimate."""
-    from eagle3pipe.training import best_score
+    from eagle3pipe.checkpoints import best_score
     vm = {"full_acc_0_epoch": 0.5, "full_acc_1_epoch": 0.25}
     assert best_score(vm, measured=False) == (1.75, "estimate")
     assert best_score(vm, measured=True) == (-1.0, "measure")
@@ -109,7 +109,7 @@ def test_num_samples_takes_the_first_rows_and_refuses_more_than_there_are():
     count is refused in one line naming the flag and the folder."""
     from types import SimpleNamespace
     from eagle3pipe.errors import UsageError
-    from eagle3pipe.training import first_rows
+    from eagle3pipe.train_data import first_rows
     rows = [([i], [1]) for i in range(10)]
     args = SimpleNamespace(num_samples=4, prepared_data="data/prepared")
     assert first_rows(args, rows, {2, 7}) == (rows[:4], {2})

@@ -404,9 +404,9 @@ def test_a_subfolder_swapped_for_a_link_after_its_check_is_never_written_through
 
 def test_a_save_cut_short_keeps_only_what_speculators_did_not_write(tmp_path, caplog):
     """A save a kill cut short: what the record proves ours goes, and so do the files under speculators' save names
-    (training.SAVE_FILES) in the folder the stage made for that save alone; a person's file there is kept, the folder
+    (checkpoints.SAVE_FILES) in the folder the stage made for that save alone; a person's file there is kept, the folder
     moved aside with it. A folder of speculators' files only simply goes."""
-    from eagle3pipe import training
+    from eagle3pipe import checkpoints
     d = tmp_path / "ck"
     _claim(d, "train")
     staged = outdir.make_dir(str(d / ".saving"))
@@ -417,7 +417,7 @@ def test_a_save_cut_short_keeps_only_what_speculators_did_not_write(tmp_path, ca
         f.write(b"\0" * 100)
     with open(os.path.join(staged, "my_analysis.py"), "w") as f:  # a person's
         f.write("print('mine')\n")
-    training.discard_staged(staged)
+    checkpoints.discard_staged(staged)
     assert not os.path.exists(staged)
     aside = [n for n in os.listdir(d / ".saving") if n.startswith(".cut-short-2-")]
     assert len(aside) == 1 and "moved to" in caplog.text
@@ -427,7 +427,7 @@ def test_a_save_cut_short_keeps_only_what_speculators_did_not_write(tmp_path, ca
     for name in ("model.safetensors", "optimizer_state_dict.pt"):  # a save cut short, nobody else's file in it
         with open(os.path.join(staged, name), "wb") as f:
             f.write(b"\0" * 100)
-    training.discard_staged(staged)
+    checkpoints.discard_staged(staged)
     assert not os.path.exists(staged) and len(os.listdir(d / ".saving")) == 1
 
 
@@ -522,11 +522,11 @@ def test_stage01_rows_are_integers_inside_the_vocabulary(tmp_path, ids):
 
 
 def test_the_validation_split_leaves_rows_on_both_sides():
-    from eagle3pipe import training
-    training.check_split(24, 0.05)
+    from eagle3pipe import train_data
+    train_data.check_split(24, 0.05)
     for rows, ratio in ((6, 0.99), (1, 0.5), (100, 1e-17)):
         with pytest.raises(UsageError, match=f"--val-ratio {ratio}: of {rows} rows"):
-            training.check_split(rows, ratio)
+            train_data.check_split(rows, ratio)
 
 
 def test_an_engine_spool_is_never_a_stage_s_folder_or_inside_this_run_s(tmp_path):
@@ -573,7 +573,7 @@ def test_checkpoint_best_follows_the_expected_acceptance_not_the_loss(tmp_path):
     """Late in training the loss can keep falling while acceptance falls: epoch 1 has the lower loss, epoch 0 the
     higher acceptance (1 + a1 + a1*a2 + ...), and checkpoint_best stays on epoch 0, through the stage's trainer."""
     from speculators.train.checkpointer import SingleGPUCheckpointer
-    from eagle3pipe import training
+    from eagle3pipe import checkpoints, training
     d = tmp_path / "ck"
     _claim(d, "train")
     from eagle3pipe import files
@@ -592,7 +592,7 @@ def test_checkpoint_best_follows_the_expected_acceptance_not_the_loss(tmp_path):
     for e, m in enumerate(epochs):
         t.maybe_update_best(e, m)
     assert os.readlink(d / "checkpoint_best") == "0" and t.best_val_loss == 9.7
-    assert training.best_acceptance(d) == training.expected_acceptance(epochs[0]) == 1.56
+    assert checkpoints.best_acceptance(d) == checkpoints.expected_acceptance(epochs[0]) == 1.56
     assert outdir.owned(str(d / "checkpoint_best")) and outdir.owned(str(d / "0" / "val_metrics.json"))
     assert json.load(open(d / "1" / "val_metrics.json"))["expected_acceptance_length"] == 1.48  # every epoch's
     t.maybe_update_best(2, {**epochs[1], "full_acc_0_epoch": 0.9})

@@ -1,0 +1,226 @@
+"""Stage 04's checkpoints: speculators saves each into `.saving/<epoch>` and it replaces `<epoch>` only once complete
+(publish); a rerun finds a save cut short, a complete one still staged, or an `interrupted` one, and resumes from
+what is whole (resume_state); `checkpoint_best` follows the acceptance measure, or the trainer's estimate without
+it (update_best); the output folder is taken once (prepare_output).
+"""
+import json
+import logging
+import os
+import time
+
+from . import files, outdir
+from .errors import RunError, UsageError
+
+log = logging.getLogger("eagle3")
+
+
+STAGING = ".saving"  # speculators writes each checkpoint here; it is renamed into place once complete
+
+
+# what speculators' save writes into STAGING/<epoch> (Checkpointer: save_pretrained, the optimizer and scheduler
+# states, training_state.json, the command, validation metrics; config.py: the draft's code beside its config)
+SAVE_FILES = (r"config\.json|config\.py|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
+              r"model\.safetensors\.index\.json|optimizer_state_dict\.pt|scheduler_state_dict\.pt|"
+              r"training_state\.json|train_command\.txt|val_metrics\.json")
+
+
+def expected_acceptance(val_metrics):
+    """1 + a1 + a1*a2 + ...: the expected number of tokens a step yields (the verifier's own one, plus each draft
+    token accepted while every one before it was), from speculators' per-position `full_acc_{k}_epoch` (already the
+    product up to position k) on the validation rows. None without them."""
+    if not isinstance(val_metrics, dict):
+        return None
+    ks = sorted(int(k[len("full_acc_"):-len("_epoch")]) for k in val_metrics
+                if k.startswith("full_acc_") and k.endswith("_epoch") and k[len("full_acc_"):-len("_epoch")].isdigit())
+    if not ks:
+        return None
+    return round(1 + sum(float(val_metrics[f"full_acc_{k}_epoch"]) for k in ks), 6)
+
+
+def best_score(val_metrics, measured):
+    """What `checkpoint_best` is chosen by: the measure's acceptance length when the run measures (a checkpoint
+    saved without it, by an earlier run, scores -1 and is replaced), else the trainer's estimate. -> (score, name)."""
+    if measured:
+        got = (val_metrics.get("acceptance_measure") or {}).get("acceptance_length")
+        return (-1.0 if got is None else float(got)), "measure"
+    got = expected_acceptance(val_metrics)
+    return (-1.0 if got is None else got), "estimate"
+
+
+def best_acceptance(root, skip=None, measured=False):
+    """The score (best_score) `checkpoint_best` was chosen for (-1 when there is none yet, or when it is the
+    checkpoint `skip`, whose figures are being replaced)."""
+    best = os.path.join(str(root), "checkpoint_best")
+    if skip is not None and os.path.islink(best) and os.readlink(best) == skip:
+        return -1.0
+    try:
+        with open(os.path.join(best, "val_metrics.json"), encoding="utf-8") as f:
+            vm = json.load(f)
+    except (OSError, ValueError):
+        return -1.0
+    return best_score(vm, measured)[0] if isinstance(vm, dict) else -1.0
+
+
+def discard_staged(staged):
+    """Free STAGING/<epoch> for a new save. What the record proves ours goes, and so do the files a save cut short
+    left there under the names speculators saves (SAVE_FILES): the folder was made by this stage for that save alone
+    (outdir.clear_scratch's rule). Anything else in it is kept: the folder is moved aside to
+    STAGING/.cut-short-<epoch>-<time> and the log says so."""
+    if not os.path.lexists(staged):
+        return
+    if not outdir.owned(staged):
+        raise RunError(f"{outdir.quote(staged)}: not this stage's folder; move it away and rerun")
+    outdir.clear_scratch(staged, SAVE_FILES)
+    if not outdir.remove(staged):
+        return
+    aside = os.path.join(os.path.dirname(staged), f".cut-short-{os.path.basename(staged)}-{time.strftime('%Y%m%d-%H%M%S')}")
+    outdir.move_aside(staged, aside)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(aside) for f in fs
+               if not os.path.islink(os.path.join(d, f)))
+    log.warning(f"a save cut short (a kill mid-save) left {len(os.listdir(aside))} entries, {size / 1e6:.0f} MB, that "
+                f"no record proves this stage's: kept, moved to {outdir.quote(aside)}; delete it once checked")
+
+
+def publish(root, epoch, local_step=0):
+    """A complete save in STAGING/<epoch> becomes <epoch>: recorded, the previous <epoch> replaced (only if all of it
+    is this stage's), then the `epoch{e}_{end|step}` and `last` links."""
+    staged = os.path.join(root, STAGING, epoch)
+    # speculators' own readability links (epoch{e}_end, made beside the staged save) point inside STAGING: ours
+    # replace them
+    outdir.clear_scratch(os.path.join(root, STAGING), r"epoch\d+_(end|step\d+)")
+    outdir.record_tree(staged)
+    outdir.replace_dir(staged, os.path.join(root, epoch))
+    links = {"last": epoch}
+    if epoch != "interrupted":
+        links[f"epoch{epoch}_{f'step{local_step}' if local_step > 0 else 'end'}"] = epoch
+        for name in os.listdir(root):  # the earlier link of this epoch
+            if name.startswith(f"epoch{epoch}_") and name not in links and outdir.owned(os.path.join(root, name)):
+                outdir.remove(os.path.join(root, name))
+    for name, target in links.items():
+        outdir.symlink(target, os.path.join(root, name))  # a stable pointer that is never missing
+
+
+def resume_state(out):
+    """Before speculators looks: a save killed mid-way is discarded (the previous checkpoint is whole), a complete one
+    still in STAGING is published, and `interrupted/` (a Ctrl-C or SIGTERM) becomes the epoch it stopped in, so the
+    rerun continues from the step it reached. -> a line saying which, or None."""
+    staging = os.path.join(out, STAGING)
+    said = None
+    if outdir.owned(staging):
+        for name in sorted(os.listdir(staging)):
+            path = os.path.join(staging, name)
+            if outdir.owned(path) and os.path.exists(os.path.join(path, "config.json")) and \
+                    not outdir.remove(path, dry_run=True):  # complete: every file in it recorded
+                publish(out, name)
+            else:
+                discard_staged(path)
+    interrupted = os.path.join(out, "interrupted")
+    state = os.path.join(interrupted, "training_state.json")
+    if outdir.owned(state):
+        with open(state) as f:
+            st = json.load(f)
+        epoch = str(st["epoch"])
+        outdir.replace_dir(interrupted, os.path.join(out, epoch))
+        outdir.remove(os.path.join(out, "last"))
+        outdir.symlink(epoch, os.path.join(out, "last"))
+        said = f"resuming from the interrupted checkpoint: epoch {st['epoch']}, step {st['global_step']}"
+    for name in sorted(os.listdir(out)):  # speculators resumes from these: every file in them must be the one we wrote
+        path = os.path.join(out, name)
+        if (name.isdigit() or name == "interrupted") and outdir.owned(path):
+            left = outdir.remove(path, dry_run=True)
+            if left:
+                raise UsageError(f"--output-dir {out}: {outdir.quote(os.path.relpath(left[0], out))} is not what this "
+                                 f"stage wrote (a link, or a file put there), and speculators would resume from the "
+                                 f"folder that holds it: move it away and rerun")
+    return said
+
+
+def prepare_output(args, identity, inputs, rank, carry=lambda old: {}):
+    """Rank 0 takes the folder (outdir.claim: only stage 04's own, the lock, --overwrite of exactly what earlier runs
+    recorded) and resumes only with the same inputs. -> (the real output path, the manifest a finished earlier run
+    left, or None)."""
+    if rank != 0:
+        return os.path.realpath(args.output_dir), None
+    out, previous = files.take_output("--output-dir", args.output_dir, "train", identity, inputs,
+                                      "checkpoints", overwrite=args.overwrite, carry=carry)
+    said = resume_state(out)
+    if said:
+        log.info(said)
+    return out, previous
+
+
+def save(trainer, epoch, local_step, save_):
+    """The stage trainer's maybe_save_checkpoint: speculators' save (`save_`) goes into STAGING/<epoch>; once
+    complete it replaces <epoch> (a kill mid-save leaves the previous checkpoint whole), and the links are made
+    here."""
+    root = trainer.checkpointer.path
+    staged = root / STAGING / str(epoch)
+    if epoch != "interrupted":  # the inputs this run started from, still the same (input_watch)
+        from .input_watch import check_training
+        check_training()
+    if trainer.rank == 0:
+        outdir.make_dir(str(root / STAGING))
+        discard_staged(str(staged))
+        if epoch == "interrupted" and trainer.global_step == 0:
+            return  # nothing trained: nothing to resume from
+        outdir.make_dir(str(staged))  # made here, a real folder: speculators writes into nothing else
+    trainer.checkpointer.path = root / STAGING
+    try:
+        save_(epoch, local_step)
+    finally:
+        trainer.checkpointer.path = root
+    if trainer.rank == 0:  # speculators' readability link, made in STAGING: a kill must not leave it for --overwrite
+        outdir.clear_scratch(str(root / STAGING), r"epoch\d+_(end|step\d+)")
+    saved = (staged / "config.json").exists()
+    if trainer.rank == 0 and saved:
+        if epoch == "interrupted":  # speculators records no step for it: ours, so a rerun resumes from it
+            per_epoch = max(1, len(trainer.train_loader))
+            e, k = divmod(trainer.global_step, per_epoch)
+            e, k = (e - 1, 0) if k == 0 else (e, k)
+            files.write_json(str(staged / "training_state.json"),
+                             {"epoch": e, "local_step": k, "global_step": trainer.global_step})
+        outdir.record_tree(str(staged))  # complete: a kill from here on leaves a save the rerun publishes
+        from .mla_draft import write_served
+        write_served(str(staged))  # an MLA draft: vllm/, the config vLLM 0.32 reads, beside the same weights
+    if saved:
+        from . import faults
+        faults.kill_point("save")  # a reliability test: die with the save on disk but not in place
+    if trainer.rank == 0 and not saved:
+        discard_staged(str(staged))  # speculators chose not to save here: the empty folder goes
+    elif trainer.rank == 0:
+        publish(str(root), str(epoch), local_step)
+
+
+
+def update_best(trainer, epoch, val_metrics, measure, by_loss):
+    """The stage trainer's maybe_update_best: `checkpoint_best` -> the epoch whose draft has the highest acceptance length by the measure
+    (validation_measure.py: what vLLM would count on the validation rows' first turns), or without it by the
+    expected acceptance length on the validation rows (expected_acceptance); never the lowest loss: the two
+    part ways late in training. Only an epoch that saved a checkpoint can be best (speculators' rule); the
+    link and val_metrics.json are the stage's own files, written through outdir. `measure`:
+    validation_measure.Measure or None; `by_loss`: speculators' own rule."""
+    estimate = expected_acceptance(val_metrics)
+    saved = (trainer.checkpointer.path / str(epoch) / "config.json").exists()  # this epoch has a checkpoint
+    if estimate is None and measure is None:  # no per-position accuracies: speculators' own rule, by loss
+        by_loss(epoch, val_metrics)
+    elif trainer.rank == 0 and saved:  # every checkpoint carries its figures (stage 05 ranks by them too)
+        from .files import write_json
+        record = {**val_metrics, "expected_acceptance_length": estimate}
+        if measure is not None:
+            record["acceptance_measure"] = measure.score(trainer.model)
+        write_json(str(trainer.checkpointer.path / str(epoch) / "val_metrics.json"), record)
+        score = best_score(record, measured=measure is not None)[0]
+        said = (f"acceptance length {score:.3f} by the measure ({measure.describe()}); the trainer's "
+                f"estimate {estimate or float('nan'):.3f} on the validation rows" if measure is not None else
+                f"expected acceptance length {score:.3f} on the validation rows")
+        if score <= best_acceptance(trainer.checkpointer.path, skip=str(epoch), measured=measure is not None):
+            outdir.record(str(trainer.checkpointer.path / str(epoch) / "val_metrics.json"))
+            log.info(f"epoch {epoch}: {said}; checkpoint_best stays")
+            return
+        outdir.symlink(str(epoch), str(trainer.checkpointer.path / "checkpoint_best"))
+        trainer.best_val_loss = min(trainer.best_val_loss, val_metrics.get("loss_epoch", float("inf")))
+        log.info(f"checkpoint_best -> {epoch}: {said} (loss {val_metrics.get('loss_epoch', float('nan')):.4f})")
+    if trainer.rank == 0:
+        for name in ("checkpoint_best", f"{epoch}/val_metrics.json"):
+            if os.path.lexists(trainer.checkpointer.path / name):
+                outdir.record(str(trainer.checkpointer.path / name))
