@@ -18,11 +18,9 @@ On a machine without an accelerator a small compatibility layer (eagle3pipe/adap
 Trainer run on CPU (eager loss, sdpa attention).
 """
 import argparse
-import json
 import os
 
-from eagle3pipe import (adapters, cli, compute, files, input_watch, online_plan, outdir, train_plan, validation_measure,
-                        verifier)
+from eagle3pipe import checkpoints, cli, train_plan, validation_measure
 
 
 def parse_args(argv=None):
@@ -107,89 +105,27 @@ def main():
     args = parse_args()
     log = cli.setup_logging()
     rank = int(os.environ.get("RANK", "0"))
-    device = train_plan.check_device(args)  # --device, --loss-implementation, --num-workers: before anything loads
-    from eagle3pipe import checkpoints, online, train_data, training
-    fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
-    adapters.check_private("speculators")  # the private names adapters.py relies on, before torch loads
-    recipe = training.recipe(args, fp, tc)
-    training.check_draft_arch(recipe, tc)
-    adapters.check_serves(recipe)  # an option the installed vLLM cannot serve: refused now, not after training
-    verifier.check_draft_sources(args.model_path, tied=tc.get("tie_word_embeddings") is not False)
-    inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data),
-              ("--vocab-mapping", args.vocab_mapping)] + ([] if args.online else [("--hidden-states", args.hidden_states)])
+    plan = train_plan.plan(args, rank)  # every check, in seconds, before anything loads
+    out, previous = checkpoints.prepare_output(args, plan.identity, plan.inputs, rank,  # rank 0 holds the folder's
+                                               carry=lambda old: train_plan.horizon(args))  # lock from here on
+    from eagle3pipe import online, train_data, training
+    on_cpu, dtype = train_plan.confirm_device(args, plan, rank)
     if rank == 0:
-        outdir.check("--output-dir", args.output_dir, "train", inputs)
-    layer_ids = verifier.resolve_layer_ids(args.layer_ids, fp["num_hidden_layers"]) if args.online else None
-    # rank 0 reads every file against its checksum; the other ranks wait for its bridge
-    prep, ext, voc, rows, failed = train_data.check_inputs(args, fp, verify_data=rank == 0 and args.verify_data,
-                                                         online_layer_ids=layer_ids)
-    rows, failed = train_data.first_rows(args, rows, failed)  # --num-samples
-    longest = max(len(r[0]) for r in rows)
-    train_data.check_split(len(rows), args.val_ratio)
-    draft_vocab = voc["counts"]["draft_vocab_size"]
-    training.check_draft_memory(args.num_layers, tc, draft_vocab, device.on_gpu)
-    dtype = compute.resolve(args.dtype, device.on_gpu)
-    # sizes and step counts against the data, the memory and the disk
-    train_plan.check_sizes(args, tc, rows, len(ext["layer_ids"]), draft_vocab, device, dtype.dtype)
-    if rank == 0:
-        train_plan.check_disk(args, tc, draft_vocab, sum(len(r[0]) for r in rows))
-    # the engine, its GPUs and port: before anything loads
-    states = online_plan.plan(args, fp, tc, longest, layer_ids) if args.online else None
-    if states and states.trainer_cvd:
-        os.environ["CUDA_VISIBLE_DEVICES"] = states.trainer_cvd  # training keeps off the engine's GPUs
-    identity = train_plan.run_identity(args, prep, ext, voc, recipe, dtype.dtype)
-    if rank == 0:  # an earlier run here resumes only if it is this run: else every differing setting, in one line
-        train_plan.check_resume(args, identity)
-    watch = input_watch.stage04_inputs(args, prep, ext, voc)
-    input_watch.watch_training(watch)  # re-checked at each checkpoint, and before the manifest
-    out, previous = checkpoints.prepare_output(args, identity, inputs, rank,  # rank 0 holds the folder's lock from here on
-                                            carry=lambda old: train_plan.horizon(args))
-    if rank == 0:  # the first line once every check has passed: what the run will compute in, and why
-        log.info(dtype.describe())
-        if dtype.warning:
-            log.warning(dtype.warning)
-
-    import torch
-    on_cpu = args.device == "cpu" or (args.device == "auto" and torch.accelerator.current_accelerator() is None)
-    if dtype != compute.resolve(args.dtype, not on_cpu):  # torch sees no GPU where nvidia-smi saw one
-        dtype = compute.resolve(args.dtype, not on_cpu)
-        if rank == 0:
-            log.info(dtype.describe())
-    aux = ext["layer_ids"][:-1]  # the draft's inputs; the last id (n) is the verifier's last hidden state
-    if rank == 0:
-        training.write_draft_layer(out, recipe, tc, args.num_layers)
+        training.write_draft_layer(out, plan.recipe, plan.text_cfg, args.num_layers)
     bridge = os.path.join(out, ".bridge")  # stage 01's rows as speculators' Arrow table
-    data = online.Session(args, states, out, rank, rows, bridge) if states else \
-        train_data.OfflineData(args, ext, out, rank, rows, bridge, dtype.dtype)
+    data = online.Session(args, plan.states, out, rank, plan.rows, bridge) if plan.states else \
+        train_data.OfflineData(args, plan.ext, out, rank, plan.rows, bridge, dtype.dtype)
     with data:  # online: the engine runs (and is watched) until training ends
-        cfg = training.train_config(args, bridge, aux, on_cpu, voc["counts"]["draft_vocab_size"],
-                                    storage=ext.get("storage_dtype", "bf16"), engine_url=data.url, dtype=dtype.dtype,
-                                    recipe_=recipe)
-        log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(rows) - len(failed)} rows "
-                 f"({sum(len(r[0]) for r in rows):,} tokens), aux layer ids {aux}, draft vocab "
-                 f"{voc['counts']['draft_vocab_size']:,}, {'CPU' if on_cpu else 'GPU'}, {dtype.dtype}")
-        measure = validation_measure.plan(args, rows, aux, on_cpu) if rank == 0 else None  # for checkpoint_best
+        cfg = training.train_config(args, bridge, plan.aux, on_cpu, plan.draft_vocab, engine_url=data.url,
+                                    storage=plan.ext.get("storage_dtype", "bf16"), dtype=dtype.dtype,
+                                    recipe_=plan.recipe)
+        log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(plan.rows) - len(plan.failed)} rows "
+                 f"({sum(len(r[0]) for r in plan.rows):,} tokens), aux layer ids {plan.aux}, draft vocab "
+                 f"{plan.draft_vocab:,}, {'CPU' if on_cpu else 'GPU'}, {dtype.dtype}")
+        measure = validation_measure.plan(args, plan.rows, plan.aux, on_cpu) if rank == 0 else None
         result = training.run(cfg, args, on_cpu, dtype.dtype, data.loaders(), measure)
     result.update(data.summary())
-    if os.path.basename(result["checkpoint_last"] or "") == "interrupted":  # SIGTERM/Ctrl-C: speculators saved it
-        log.warning(f"stopped by a signal at step {result['steps']}; checkpoint {out}/interrupted; rerun the same "
-                    f"command to resume")
-        return 128 + 15
-    if rank == 0:
-        watch.check()
-    if rank == 0 and result["steps_this_run"] == 0 and previous:  # the checkpoint is what the earlier run trained
-        files.write_json(os.path.join(out, files.MANIFEST), previous)
-        log.info(f"nothing left to train: {out} is unchanged (its manifest says how it was trained)")
-    elif rank == 0:
-        files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
-            "train", args, identity=identity, verifier=fp, layer_ids=ext["layer_ids"], aux_layer_ids=aux,
-            layer_id_convention=verifier.LAYER_ID_CONVENTION, draft_vocab_size=voc["counts"]["draft_vocab_size"],
-            compute_dtype=dtype.dtype, compute_dtype_reason=dtype.reason, recipe=recipe,
-            inputs={"prepared_data": os.path.abspath(args.prepared_data), "hidden_states": "online" if args.online else
-                    os.path.abspath(args.hidden_states), "vocab_mapping": os.path.abspath(args.vocab_mapping)},
-            speculators_config=json.loads(json.dumps(cfg.flatten(), default=str)), **result))
-        training.print_serve_command(args, out, tc, on_cpu, recipe["draft_arch"])
-    return 0
+    return checkpoints.finish(args, plan, out, previous, result, cfg, on_cpu, dtype, rank)
 
 
 if __name__ == "__main__":

@@ -224,3 +224,42 @@ def update_best(trainer, epoch, val_metrics, measure, by_loss):
         for name in ("checkpoint_best", f"{epoch}/val_metrics.json"):
             if os.path.lexists(trainer.checkpointer.path / name):
                 outdir.record(str(trainer.checkpointer.path / name))
+
+
+def print_serve_command(args, out, text_cfg, on_cpu, arch="llama"):
+    """The checkpoint, and the command that serves it with the vLLM installed here (or why it cannot here)."""
+    from .engine import eagle3_blocker, serve_command
+    last = os.path.join(out, "last")
+    log.info(f"checkpoint: {last} -> {os.path.realpath(last)}")
+    blocker = eagle3_blocker(text_cfg, not on_cpu, mla_draft=arch == "deepseek")
+    where = f" (on a GPU machine: {blocker})" if blocker else ""
+    elsewhere = bool(blocker) or not on_cpu  # a GPU machine serves with vLLM's GPU build, installed here or not
+    print(f"serve it{where}: {serve_command(args.model_path, last, args.ttt_steps, elsewhere, text_cfg)}")
+
+
+def finish(s, plan, out, previous, result, cfg, on_cpu, dtype, rank):
+    """After training: a run stopped by a signal says how to resume (exit 128+15); else rank 0 re-checks the
+    inputs, writes the manifest (or keeps the earlier run's when nothing was left to train) and prints the
+    checkpoint and the command that serves it. -> the exit status."""
+    import json
+    from .verifier import LAYER_ID_CONVENTION
+    if os.path.basename(result["checkpoint_last"] or "") == "interrupted":  # SIGTERM/Ctrl-C: speculators saved it
+        log.warning(f"stopped by a signal at step {result['steps']}; checkpoint {out}/interrupted; rerun the same "
+                    f"command to resume")
+        return 128 + 15
+    if rank != 0:
+        return 0
+    plan.watch.check()
+    if result["steps_this_run"] == 0 and previous:  # the checkpoint is what the earlier run trained
+        files.write_json(os.path.join(out, files.MANIFEST), previous)
+        log.info(f"nothing left to train: {out} is unchanged (its manifest says how it was trained)")
+        return 0
+    files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
+        "train", s, identity=plan.identity, verifier=plan.verifier, layer_ids=plan.ext["layer_ids"],
+        aux_layer_ids=plan.aux, layer_id_convention=LAYER_ID_CONVENTION, draft_vocab_size=plan.draft_vocab,
+        compute_dtype=dtype.dtype, compute_dtype_reason=dtype.reason, recipe=plan.recipe,
+        inputs={"prepared_data": os.path.abspath(s.prepared_data), "hidden_states": "online" if s.online else
+                os.path.abspath(s.hidden_states), "vocab_mapping": os.path.abspath(s.vocab_mapping)},
+        speculators_config=json.loads(json.dumps(cfg.flatten(), default=str)), **result))
+    print_serve_command(s, out, plan.text_cfg, on_cpu, plan.recipe["draft_arch"])
+    return 0

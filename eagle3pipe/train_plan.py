@@ -238,3 +238,87 @@ def check_resume(s, identity):
 def horizon(s):
     """Recorded beside the identity: what the run was asked to reach (a rerun may extend it)."""
     return {"epochs": s.epochs, "max_steps": s.max_steps}
+
+
+# ------------------------------------------------------------------------------------------------- the whole plan
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything stage 04 checked before anything loads (plan()); `states`: the online engine's plan, or None."""
+    device: Device
+    verifier: dict
+    text_cfg: dict
+    recipe: dict
+    inputs: list
+    prep: dict
+    ext: dict
+    voc: dict
+    rows: list
+    failed: set
+    dtype: object
+    states: object
+    identity: dict
+    watch: object
+
+    @property
+    def aux(self):
+        return self.ext["layer_ids"][:-1]  # the draft's inputs; the last id (n) is the verifier's last hidden state
+
+    @property
+    def draft_vocab(self):
+        return self.voc["counts"]["draft_vocab_size"]
+
+
+def plan(s, rank):
+    """Every check of stage 04, in seconds, before torch or any model loads: the device, the verifier and the draft's
+    recipe (what the installed speculators and vLLM can train and serve), the output folder, the three inputs
+    against each other, the rows, split, sizes, memory and disk, the online engine, and the run's identity against
+    an earlier run in the folder. -> Plan."""
+    from . import adapters, compute, input_watch, online_plan, outdir, train_data, training, verifier
+    device = check_device(s)  # --device, --loss-implementation, --num-workers
+    fp, tc = verifier.open_verifier(s.model_path, s.trust_remote_code)
+    adapters.check_private("speculators")  # the private names adapters.py relies on, before torch loads
+    recipe = training.recipe(s, fp, tc)
+    training.check_draft_arch(recipe, tc)
+    adapters.check_serves(recipe)  # an option the installed vLLM cannot serve: refused now, not after training
+    verifier.check_draft_sources(s.model_path, tied=tc.get("tie_word_embeddings") is not False)
+    inputs = [("--model-path", s.model_path), ("--prepared-data", s.prepared_data),
+              ("--vocab-mapping", s.vocab_mapping)] + ([] if s.online else [("--hidden-states", s.hidden_states)])
+    if rank == 0:
+        outdir.check("--output-dir", s.output_dir, "train", inputs)
+    layer_ids = verifier.resolve_layer_ids(s.layer_ids, fp["num_hidden_layers"]) if s.online else None
+    # rank 0 reads every file against its checksum; the other ranks wait for its bridge
+    prep, ext, voc, rows, failed = train_data.check_inputs(s, fp, verify_data=rank == 0 and s.verify_data,
+                                                           online_layer_ids=layer_ids)
+    rows, failed = train_data.first_rows(s, rows, failed)  # --num-samples
+    train_data.check_split(len(rows), s.val_ratio)
+    draft_vocab = voc["counts"]["draft_vocab_size"]
+    training.check_draft_memory(s.num_layers, tc, draft_vocab, device.on_gpu)
+    dtype = compute.resolve(s.dtype, device.on_gpu)
+    check_sizes(s, tc, rows, len(ext["layer_ids"]), draft_vocab, device, dtype.dtype)
+    if rank == 0:
+        check_disk(s, tc, draft_vocab, sum(len(r[0]) for r in rows))
+    # the engine, its GPUs and port
+    states = online_plan.plan(s, fp, tc, max(len(r[0]) for r in rows), layer_ids) if s.online else None
+    if states and states.trainer_cvd:
+        os.environ["CUDA_VISIBLE_DEVICES"] = states.trainer_cvd  # training keeps off the engine's GPUs
+    identity = run_identity(s, prep, ext, voc, recipe, dtype.dtype)
+    if rank == 0:  # an earlier run here resumes only if it is this run: else every differing setting, in one line
+        check_resume(s, identity)
+    watch = input_watch.stage04_inputs(s, prep, ext, voc)
+    input_watch.watch_training(watch)  # re-checked at each checkpoint, and before the manifest
+    return Plan(device, fp, tc, recipe, inputs, prep, ext, voc, rows, failed, dtype, states, identity, watch)
+
+
+def confirm_device(s, p, rank):
+    """Once torch is imported: where training runs and its compute dtype, said first (torch may see no GPU where
+    nvidia-smi saw one: then the CPU's dtype). -> (on_cpu, compute.Resolved)."""
+    import torch
+    from . import compute
+    on_cpu = s.device == "cpu" or (s.device == "auto" and torch.accelerator.current_accelerator() is None)
+    dtype = compute.resolve(s.dtype, not on_cpu)
+    if rank == 0:  # the first line once every check has passed: what the run will compute in, and why
+        log.info(dtype.describe())
+        if dtype.warning:
+            log.warning(dtype.warning)
+    return on_cpu, dtype

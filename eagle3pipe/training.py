@@ -226,17 +226,6 @@ def make_trainer_class(dense_log, on_cpu, max_steps, measure=None):
     return PipelineTrainer
 
 
-def print_serve_command(args, out, text_cfg, on_cpu, arch="llama"):
-    """The checkpoint, and the command that serves it with the vLLM installed here (or why it cannot here)."""
-    from .engine import eagle3_blocker, serve_command
-    last = os.path.join(out, "last")
-    log.info(f"checkpoint: {last} -> {os.path.realpath(last)}")
-    blocker = eagle3_blocker(text_cfg, not on_cpu, mla_draft=arch == "deepseek")
-    where = f" (on a GPU machine: {blocker})" if blocker else ""
-    elsewhere = bool(blocker) or not on_cpu  # a GPU machine serves with vLLM's GPU build, installed here or not
-    print(f"serve it{where}: {serve_command(args.model_path, last, args.ttt_steps, elsewhere, text_cfg)}")
-
-
 DRAFT_LAYER = "draft_layer_config.json"  # an MLA draft's decoder-layer config, in the output folder
 
 
