@@ -20,7 +20,7 @@ share it).
 import os
 
 from eagle3pipe import cli, faults, preflight
-from eagle3pipe.extract_output import finish, prepare_output
+from eagle3pipe.extract_output import finish, prepare_output, record_compute_dtype
 from eagle3pipe.files import read_rows
 
 
@@ -81,6 +81,7 @@ def main():
     failed, tokens, secs = {}, 0, 0.0
     if todo:
         faults.kill_point("load")
+        record_compute_dtype(out, plan)  # before the first file: a run killed later still counts
         with backends.opened(args, plan, out) as backend:
             bar = Progress(len(mine), "extract", "samples", initial=len(done),
                            total_tokens=sum(len(rows[i]) for i in todo))

@@ -56,7 +56,7 @@ def main():
     log = cli.setup_logging()
     from eagle3pipe import draft_check, engine, evaluation
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
-    gpus = engine.visible_gpus()
+    gpus = compute.visible_gpus()
     draft_check.check_run(args, fp, tc, gpus)  # the flags against the verifier's positions and the GPUs
     conversations.check_dataset(args.prompts, "--prompts")
     drafts, mismatches = evaluation.drafts_to_measure(args.draft, fp, tc, args.tp_size, args.num_speculative_tokens)

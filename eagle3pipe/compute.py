@@ -118,7 +118,6 @@ def resolve(requested, on_gpu, flags=None, env=None):
 def for_cpu_or_gpu(requested, device="auto"):
     """resolve() for a stage whose device is `device` (auto|cpu|cuda), without importing torch: a GPU when asked for or
     when nvidia-smi sees one."""
-    from .engine import visible_gpus
     on_gpu = device == "cuda" or (device == "auto" and bool(visible_gpus()))
     return resolve(requested, on_gpu)
 
@@ -154,3 +153,25 @@ def available_ram():
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def visible_gpus():
+    """[(name, total bytes)] of the NVIDIA GPUs this process may use, without importing torch."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    gpus = []
+    for line in out.stdout.strip().splitlines():
+        idx, name, mib = [x.strip() for x in line.split(",")]
+        gpus.append((idx, name, int(float(mib)) * 2**20))
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd:
+        keep = [x.strip() for x in cvd.split(",")]
+        gpus = [g for g in gpus if g[0] in keep] if all(k.isdigit() for k in keep) else gpus[: len(keep)]
+    return [(name, total) for _, name, total in gpus]

@@ -1,7 +1,5 @@
 """The devices and the vLLM engine, as stages 01 (--regenerate), 02 and 05 use them.
 
-- `visible_gpus()`: the NVIDIA GPUs this process may use, asked of nvidia-smi (no torch import: the preflight runs
-  before any heavy import).
 - `cpu_vllm_env()`: vLLM-CPU's settings on a machine without GPUs: every core for the worker, none reserved for
   busy polling (by default vLLM reserves one, two with a KV connector, leaving a 2-core machine's worker one or none),
   a 2 GiB KV cache.
@@ -27,31 +25,9 @@ from . import lifeline, outdir
 from .adapters import VLLM_CPU_MLA_COMPILATION
 from .engine_log import engine_output, last_error, open_log  # noqa: F401 (the stages' and tests' names for them)
 from .errors import RunError
-from .spool import engine_lock, engine_made
+from .spool import engine_lock, engine_made, remove_spool_file
 
 log = logging.getLogger("eagle3")
-
-
-def visible_gpus():
-    """[(name, total bytes)] of the NVIDIA GPUs this process may use, without importing torch."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if out.returncode != 0:
-        return []
-    gpus = []
-    for line in out.stdout.strip().splitlines():
-        idx, name, mib = [x.strip() for x in line.split(",")]
-        gpus.append((idx, name, int(float(mib)) * 2**20))
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd:
-        keep = [x.strip() for x in cvd.split(",")]
-        gpus = [g for g in gpus if g[0] in keep] if all(k.isdigit() for k in keep) else gpus[: len(keep)]
-    return [(name, total) for _, name, total in gpus]
 
 
 def cpu_vllm_env(env=None):
@@ -317,7 +293,7 @@ def clear_spool(spool):
     for name in sorted(os.listdir(spool), key=lambda n: n.endswith(".lock")):  # files first, then their locks
         path = os.path.join(spool, name)
         if engine_file(path):
-            outdir.remove_spool_file(spool, path)
+            remove_spool_file(spool, path)
     left = sorted(os.listdir(spool))
     if left:
         log.warning(f"{outdir.quote(spool)}: kept {len(left)} entries that are not an engine's finished files "
@@ -485,7 +461,7 @@ class Server:
         try:
             wait_for_engine_file(path, spool)
             shape = read_header(path)[0]["hidden_states"]["shape"]
-            outdir.remove_spool_file(spool, path)
+            remove_spool_file(spool, path)
         except (OSError, ValueError, KeyError) as e:
             raise RunError(f"the extraction engine wrote {path}, which this process cannot read or delete ({e}); "
                            f"its spool must be on a filesystem stage 04 shares")

@@ -18,6 +18,7 @@ import time
 
 from . import faults, outdir
 from .engine import wait_for_engine_file
+from .spool import remove_spool_file
 from .errors import UsageError
 from .hidden_states import SCALES, check_file, check_header, hs_path, load_checked, quantize_fp8, read_header, save
 
@@ -106,7 +107,7 @@ class Writer:
                 if f.get_tensor("token_ids").tolist() != list(self.rows[i]):
                     reason = "token_ids differ from the prepared row"
         if reason:
-            outdir.remove_spool_file(self.spool, path)
+            remove_spool_file(self.spool, path)
         else:
             outdir.install(path, hs_path(self.out_dir, i))
         return True, reason
@@ -116,7 +117,7 @@ class Writer:
         import torch
         if isinstance(result, str):
             reason, tensors = load_engine_file(result, self.rows[i], self.n_states, self.hidden, self.spool)
-            outdir.remove_spool_file(self.spool, result)
+            remove_spool_file(self.spool, result)
             if reason:
                 return None, reason
             if i in self.nan_rows:  # fault injection: poison the states the real check below sees
@@ -259,8 +260,6 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
     # stage 01's folder rewritten under this run: one line, before files of two inputs mix (and again in finish)
     from .input_watch import stage01
     watch = stage01("--prepared-data", plan.jsonl, plan.prepared_manifest)
-    from .extract_output import record_compute_dtype
-    record_compute_dtype(out_dir, plan)  # before the first file: a run killed later still counts
     t0 = time.time()
     batches = make_batches(todo, [len(r) for r in rows], args.batch_size, args.max_tokens_per_batch)
     try:

@@ -18,6 +18,8 @@ from .errors import UsageError
 
 MANIFEST = "manifest.json"
 RUN_FILE = ".run.json"  # written when a resumable stage starts: {"stage", "identity"}
+# The verifier's fields that must agree between stages; name_or_path may differ (a copied or moved model).
+VERIFIER_IDENTITY = ("architecture", "num_hidden_layers", "hidden_size", "vocab_size", "tokenizer_sha256")
 SKIPPED = "skipped.jsonl"  # in a stage 04 folder's logs/: one line per sample skipped, offline and online alike
 STAGE_SCRIPTS = {
     "prepare": "01_prepare_dataset.py", "extract": "02_extract_hidden_states.py",
@@ -97,10 +99,9 @@ def read_manifest(folder):
 
 def _check_schema(path, m, stage, script):
     """Every field a later stage reads, present with its type: a hand-edited or foreign manifest is one line."""
-    from .verifier import IDENTITY
     need = [(m, k, t) for k, t in {**SCHEMA[None], **SCHEMA[stage]}.items()]
     need += [(m.get(parent), k, t) for parent, keys in NESTED.get(stage, {}).items() for k, t in keys.items()]
-    need += [(m.get("verifier"), k, (str, int, type(None))) for k in IDENTITY if "verifier" in SCHEMA[stage]]
+    need += [(m.get("verifier"), k, (str, int, type(None))) for k in VERIFIER_IDENTITY if "verifier" in SCHEMA[stage]]
     for obj, key, want in need:
         if not isinstance(obj, dict):
             continue  # its parent's own check names it

@@ -7,7 +7,8 @@ from typing import Optional
 
 from . import compute
 from .compute import available_ram
-from .engine import get_json, visible_gpus
+from .compute import visible_gpus
+from .engine import get_json
 from .verifier import weights_bytes
 from .errors import UsageError
 

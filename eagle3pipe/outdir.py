@@ -599,27 +599,6 @@ def link_file(src, path):
     install(tmp, path)
 
 
-def remove_spool_file(spool, path):
-    """Delete a file an engine wrote into our spool (it is not in the record: another process made it), and its
-    `.lock`; a path outside the spool is never touched. In a spool the stage does not own (an --engine-spool shared
-    with people), only an engine's file made for this run (eagle3pipe/spool.py: its format and age) and its lock.
-    -> True if `path` was the engine's to hand back."""
-    from .spool import engine_lock, engine_made
-    ok = confined(spool, path)
-    if not ok or not os.path.lexists(ok):
-        return bool(ok)
-    if owned(spool):  # the folder this stage made for its engine: what the engine handed back, and its lock
-        lock = confined(spool, ok + ".lock")
-    elif engine_made(ok, foreign=True):
-        lock = ok + ".lock" if confined(spool, ok + ".lock") and engine_lock(ok + ".lock", foreign=True) else None
-    else:
-        return True
-    os.unlink(ok)
-    if lock and os.path.lexists(lock):
-        os.unlink(lock)
-    return True
-
-
 # --------------------------------------------------------------------------------------------- claim and lock
 
 def pid_alive(pid):

@@ -21,7 +21,7 @@ from typing import Optional
 from . import compute
 from .errors import UsageError
 from .compute import available_ram
-from .engine import visible_gpus
+from .compute import visible_gpus
 from .verifier import weights_bytes
 
 

@@ -12,6 +12,7 @@ import time
 from . import outdir
 from .files import SKIPPED
 from .engine import clear_spool, parent_death_signal, wait_for_engine_file
+from .spool import remove_spool_file
 from .errors import RunError
 
 log = logging.getLogger("eagle3")
@@ -93,7 +94,7 @@ class CacheTransfer:
         if not outdir.confined(self.spool, handle):
             return  # not the engine's file in our spool: never deleted
         if i is None or not self.budget or not self._keep(handle, i):
-            outdir.remove_spool_file(self.spool, handle)
+            remove_spool_file(self.spool, handle)
 
     def _keep(self, path, i):
         from .hidden_states import hs_path, read_header, save
@@ -107,7 +108,7 @@ class CacheTransfer:
         else:  # vLLM's GPU connector writes no checksum: rewrite it with one
             from safetensors.torch import load_file
             save(dest, load_file(path))
-            outdir.remove_spool_file(self.spool, path)
+            remove_spool_file(self.spool, path)
         return True
 
     def _release(self, path):

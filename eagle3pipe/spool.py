@@ -11,11 +11,13 @@ process made them. So a file is deleted only if everything about it says it is s
   with people), also made after this process started (its status change time, which no tool sets back, with `SKEW`
   seconds for a file server's clock): a file that was there before the run, whatever its name or format, is never
   this run's.
-Pure checks: nothing here deletes (outdir.remove_spool_file and engine.clear_spool do).
+Nothing here deletes but remove_spool_file, by these rules (engine.clear_spool empties a spool through it).
 """
 import logging
 import os
 import stat
+
+from . import outdir
 
 SKEW = 1.0  # seconds a shared filesystem's clock may lag this machine's (NTP keeps them far closer); a file kept
             # for its age is named in a warning (it is left, never lost)
@@ -84,3 +86,23 @@ def engine_lock(lock, foreign=False, beside_nothing=False):
     if os.path.lexists(path):
         return engine_made(path, foreign)
     return beside_nothing and not foreign
+
+
+def remove_spool_file(spool, path):
+    """Delete a file an engine wrote into our spool (it is not in the record: another process made it), and its
+    `.lock`; a path outside the spool is never touched. In a spool the stage does not own (an --engine-spool shared
+    with people), only an engine's file made for this run (eagle3pipe/spool.py: its format and age) and its lock.
+    -> True if `path` was the engine's to hand back."""
+    ok = outdir.confined(spool, path)
+    if not ok or not os.path.lexists(ok):
+        return bool(ok)
+    if outdir.owned(spool):  # the folder this stage made for its engine: what the engine handed back, and its lock
+        lock = outdir.confined(spool, ok + ".lock")
+    elif engine_made(ok, foreign=True):
+        lock = ok + ".lock" if outdir.confined(spool, ok + ".lock") and engine_lock(ok + ".lock", foreign=True) else None
+    else:
+        return True
+    os.unlink(ok)
+    if lock and os.path.lexists(lock):
+        os.unlink(lock)
+    return True

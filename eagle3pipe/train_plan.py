@@ -43,7 +43,7 @@ class Device:
 
 def check_device(s):
     """--device, --loss-implementation and --num-workers against this machine (one nvidia-smi call, no torch)."""
-    from .engine import visible_gpus
+    from .compute import visible_gpus
     gpus = visible_gpus()
     if s.device == "cuda" and not gpus:
         cvd = os.environ.get("CUDA_VISIBLE_DEVICES")

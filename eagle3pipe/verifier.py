@@ -14,6 +14,7 @@ import threading
 from urllib.parse import urlsplit
 
 from .errors import UsageError
+from . import files
 from .files import read_json
 
 LAYER_ID_CONVENTION = ("id k < n = input of decoder layer k (0 = embedding output); id n = output of the "
@@ -245,8 +246,7 @@ def check_remote_code(model_path, trust_remote_code):
                          f"auto_map, tokenizer_class {tok_class!r} unknown to the installed transformers); {hint}")
 
 
-# The fields that must agree between stages; name_or_path may differ (a copied or moved model).
-IDENTITY = ("architecture", "num_hidden_layers", "hidden_size", "vocab_size", "tokenizer_sha256")
+IDENTITY = files.VERIFIER_IDENTITY
 
 
 def same_verifier(a, b):

@@ -4,7 +4,7 @@ import os
 
 
 from conftest import assert_refused, run_script, snapshot
-from eagle3pipe.engine import visible_gpus
+from eagle3pipe.compute import visible_gpus
 
 
 def test_refusals(model_path, stages, trained, tmp_path):

@@ -1,4 +1,4 @@
-"""docs/LAYOUT.md lists every module of the package, once."""
+"""docs/LAYOUT.md lists every module of the package, once; no import circles between them."""
 import os
 import re
 
@@ -10,3 +10,26 @@ def test_every_module_is_in_the_layout_list_once():
     with open(os.path.join(REPO, "docs", "LAYOUT.md"), encoding="utf-8") as f:
         listed = re.findall(r"^  (\w+\.py) ", f.read(), flags=re.M)
     assert sorted(listed) == pkg
+
+
+def test_no_import_circles_in_the_package():
+    """No module of eagle3pipe imports, even inside a function, a module that imports it back, directly or around
+    a circle: each room's dependencies point one way."""
+    import ast
+    pkg = os.path.join(REPO, "eagle3pipe")
+    mods = {f[:-3] for f in os.listdir(pkg) if f.endswith(".py")}
+    graph = {}
+    for m in mods:
+        deps = set()
+        for n in ast.walk(ast.parse(open(os.path.join(pkg, m + ".py")).read())):
+            if isinstance(n, ast.ImportFrom) and n.level == 1:
+                deps |= {n.module.split(".")[0]} if n.module else {a.name for a in n.names}
+            elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("eagle3pipe"):
+                parts = n.module.split(".")
+                deps |= {parts[1]} if len(parts) > 1 else {a.name for a in n.names}
+        graph[m] = (deps & mods) - {m}
+
+    def reaches(a, b, seen):
+        return any(d == b or (d not in seen and reaches(d, b, seen | {d})) for d in graph[a])
+    circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if reaches(b, a, {b})})
+    assert not circles, circles
