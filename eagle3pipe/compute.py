@@ -16,6 +16,8 @@ import platform
 import subprocess
 from typing import Optional
 
+from .errors import UsageError
+
 CHOICES = ("auto", "bfloat16", "float32")
 # the features that mean bf16 arithmetic in hardware, as /proc/cpuinfo names them (x86 flags, Arm Features)
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16", "bf16")
@@ -175,3 +177,23 @@ def visible_gpus():
         keep = [x.strip() for x in cvd.split(",")]
         gpus = [g for g in gpus if g[0] in keep] if all(k.isdigit() for k in keep) else gpus[: len(keep)]
     return [(name, total) for _, name, total in gpus]
+
+
+def check_engine(backend, tp, tp_words, text_cfg, gpus, dtype, reader):
+    """The extraction engine's rules, the same for stage 02 and stage 04 --online, before anything loads: our CPU
+    connector adapts vLLM's (its private names must be in the installed vLLM), tensor parallel divides the heads
+    (the KV heads may also be fewer than TP and divide it: vLLM replicates them), and vLLM on a GPU does not compute
+    in float32 (its connector stores the states in the compute dtype; `reader` reads bf16). `tp_words`: how the
+    operator chose TP, for the error line."""
+    if backend != "vllm":
+        return
+    if not gpus:
+        from .adapters import check_private
+        check_private("vllm")
+    for what in ("num_attention_heads", "num_key_value_heads"):
+        h = text_cfg.get(what)
+        if h and h % tp and not (what == "num_key_value_heads" and tp % h == 0):
+            raise UsageError(f"{tp_words}: must divide the verifier's {what} ({h})")
+    if gpus and dtype == "float32":
+        raise UsageError(f"--dtype float32: vLLM's hidden-states connector on GPU stores states in the compute dtype, "
+                         f"and {reader}; use --dtype auto (bf16 on GPUs) or --backend hf")

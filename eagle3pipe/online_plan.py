@@ -68,11 +68,6 @@ def check_engine(s, text_cfg, weights, gpus, engine_gpus, shared):
         raise UsageError("--backend vllm: vLLM is not installed here; use --backend hf (transformers), or "
                          "--engine-address of an engine running elsewhere")
     tp = max(1, len(engine_gpus))
-    if s.backend == "vllm":
-        for what in ("num_attention_heads", "num_key_value_heads"):
-            h = text_cfg.get(what)
-            if h and h % tp and not (what == "num_key_value_heads" and tp % h == 0):
-                raise UsageError(f"--engine-gpus: {tp} GPUs as tensor parallel must divide the verifier's {what} ({h})")
     memory = s.engine_memory if s.engine_memory is not None else (0.45 if shared else 0.85)
     if weights:
         if engine_gpus:
@@ -142,12 +137,9 @@ def plan(s, fp, text_cfg, longest, layer_ids):
     engine_gpus, trainer_gpus = split_gpus(s.engine_gpus, len(gpus))
     shared = bool(engine_gpus) and set(engine_gpus) == set(trainer_gpus)
     dtype = compute.resolve(s.dtype, bool(gpus))
-    if s.backend == "vllm" and not gpus:  # our connector adapts vLLM's (adapters.py): the installed one must fit
-        from .adapters import check_private
-        check_private("vllm")
-    if s.backend == "vllm" and gpus and dtype.dtype == "float32":
-        raise UsageError("--dtype float32: vLLM's hidden-states connector on GPU stores states in the compute dtype, "
-                         "and the trainer reads bf16; use --dtype auto (bf16 on GPUs) or --backend hf")
+    tp = max(1, len(engine_gpus))
+    compute.check_engine(s.backend, tp, f"--engine-gpus: {tp} GPUs as tensor parallel", text_cfg, gpus, dtype.dtype,
+                         "the trainer reads bf16")
     memory = check_engine(s, text_cfg, compute.loaded_weights_bytes(weights_bytes(s.model_path), fp.get("torch_dtype"),
                           dtype.dtype), gpus, engine_gpus, shared)
     port = free_port("--engine-port", s.engine_port)

@@ -170,24 +170,16 @@ def plan(args):
     n = fp["num_hidden_layers"]
     layer_ids = verifier.resolve_layer_ids(args.layer_ids, n)
     gpus = visible_gpus()
-    if args.backend == "vllm" and not gpus:  # our connector adapts vLLM's (adapters.py): the installed one must fit
-        from .adapters import check_private
-        check_private("vllm")
+    dtype = compute.resolve(args.dtype, bool(gpus))
+    compute.check_engine(args.backend, args.tp_size, f"--tp-size {args.tp_size}", {**tc, **fp}, gpus, dtype.dtype,
+                         "stage 02's files are bf16")
     if args.backend == "vllm":
-        for what in ("num_attention_heads", "num_key_value_heads"):
-            h = fp.get(what)
-            if h and h % args.tp_size and not (what == "num_key_value_heads" and args.tp_size % h == 0):
-                raise UsageError(f"--tp-size {args.tp_size}: must divide the verifier's {what} ({h})")
         if gpus and args.tp_size > len(gpus):
             raise UsageError(f"--tp-size {args.tp_size}: only {len(gpus)} GPU(s) visible "
                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         if not gpus and args.tp_size > 1:
             raise UsageError(f"--tp-size {args.tp_size}: no GPU visible; on CPU use --tp-size 1")
     rows = counts["rows"]
-    dtype = compute.resolve(args.dtype, bool(gpus))
-    if args.backend == "vllm" and gpus and dtype.dtype == "float32":
-        raise UsageError("--dtype float32: vLLM's hidden-states connector on GPU stores states in the compute dtype, "
-                         "and stage 02's files are bf16; use --dtype auto (bf16 on GPUs) or --backend hf")
     if args.backend == "hf" and args.tp_size > 1:
         raise UsageError(f"--tp-size {args.tp_size}: the hf backend has no tensor parallelism (it places whole layers "
                          f"on the visible GPUs, one GPU at a time); use --backend vllm, or drop --tp-size and choose "
