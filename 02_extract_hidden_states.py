@@ -19,7 +19,7 @@ share it).
 """
 import os
 
-from eagle3pipe import cli, faults, preflight
+from eagle3pipe import cli, engines, faults, preflight
 from eagle3pipe.extract_output import finish, prepare_output, record_compute_dtype
 from eagle3pipe.files import read_rows
 
@@ -29,7 +29,7 @@ def parse_args(argv=None):
     p.add_argument("--model-path", help="verifier: HF model folder or hub id")
     p.add_argument("--prepared-data", default="data/prepared", help="stage 01 folder or its tokenized_data.jsonl")
     p.add_argument("--output-dir", default="data/hidden_states", help="stage 02 output folder")
-    p.add_argument("--backend", choices=["vllm", "hf"], default="vllm", help="vLLM engine or HF transformers")
+    p.add_argument("--backend", choices=list(engines.KINDS), default="vllm", help="vLLM engine or HF transformers")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel GPUs per replica (vllm)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="longest sample, in tokens")
     p.add_argument("--batch-size", type=int, default=4, help="samples per forward step (not the sample count)")

@@ -20,7 +20,7 @@ Trainer run on CPU (eager loss, sdpa attention).
 import argparse
 import os
 
-from eagle3pipe import checkpoints, cli, train_plan, validation_measure
+from eagle3pipe import checkpoints, cli, engines, train_plan, validation_measure
 
 
 def parse_args(argv=None):
@@ -84,7 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--overwrite", action="store_true", help="delete previous checkpoints in --output-dir first")
     o = p.add_argument_group("online training (no stage 02 folder; see docs/ONLINE.md)")
     o.add_argument("--online", action="store_true", help="generate hidden states on demand with an extraction engine")
-    o.add_argument("--backend", choices=["vllm", "hf"], default="vllm", help="the engine: vLLM's server or transformers")
+    o.add_argument("--backend", choices=list(engines.KINDS), default="vllm", help="the engine: vLLM's server or transformers")
     o.add_argument("--layer-ids", type=cli.int_list, default=None,
                    help="auxiliary layer ids as stage 02 takes them (none: [2, n//2, n-3]); id n is always added")
     o.add_argument("--cache-gb", type=float, default=0.0, help="keep generated samples up to N GB for later epochs")

@@ -15,6 +15,8 @@ import os
 import threading
 import time
 
+from . import engines
+
 log = logging.getLogger("eagle3")
 
 
@@ -27,7 +29,7 @@ def opened(args, plan, out):
     from .engine import clear_spool
     from .extract_output import INCOMING, engine_log
     t_load, staging = time.time(), None
-    if args.backend == "vllm":
+    if engines.kind(args.backend) is engines.VLLM:
         staging = outdir.make_dir(os.path.join(outdir.make_dir(os.path.join(out, INCOMING)), str(os.getpid())))
         backend = VLLMBackend(args, plan.layer_ids, staging, on_gpu=plan.on_gpu, dtype=plan.compute.dtype,
                               log_path=os.path.join(out, engine_log(args.shard)))

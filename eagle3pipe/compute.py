@@ -179,19 +179,19 @@ def visible_gpus():
     return [(name, total) for _, name, total in gpus]
 
 
-def check_engine(backend, tp, tp_words, text_cfg, gpus, dtype, reader):
+def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader):
     """The extraction engine's rules, the same for stage 02 and stage 04 --online, before anything loads: our CPU
     connector adapts vLLM's (its private names must be in the installed vLLM), tensor parallel divides the heads
     (the KV heads may also be fewer than TP and divide it: vLLM replicates them), and vLLM on a GPU does not compute
     in float32 (its connector stores the states in the compute dtype; `reader` reads bf16). `tp_words`: how the
-    operator chose TP, for the error line."""
-    if backend != "vllm":
+    operator chose TP, for the error line; `kind`: engines.kind(--backend)."""
+    if not kind.connector:
         return
     if not gpus:
         from .adapters import check_private
         check_private("vllm")
     for what in ("num_attention_heads", "num_key_value_heads"):
-        h = text_cfg.get(what)
+        h = text_cfg.get(what) if kind.tensor_parallel else None
         if h and h % tp and not (what == "num_key_value_heads" and tp % h == 0):
             raise UsageError(f"{tp_words}: must divide the verifier's {what} ({h})")
     if gpus and dtype == "float32":

@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 
-from . import lifeline, outdir
+from . import engines, lifeline, outdir
 from .adapters import VLLM_CPU_MLA_COMPILATION
 from .engine_log import engine_output, last_error, open_log  # noqa: F401 (the stages' and tests' names for them)
 from .errors import RunError
@@ -348,8 +348,9 @@ def _start(s, p, out, spool):
 
 
 def engine_command(s, layer_ids, spool, port, max_len, tp, memory, on_gpu, dtype):
-    if s.backend == "hf":
-        cmd = [sys.executable, "-m", "eagle3pipe.hf_server", "--model-path", s.model_path, "--layer-ids",
+    server = engines.kind(s.backend).server
+    if server:  # ours: the same two API calls as vLLM's server
+        cmd = [sys.executable, "-m", server, "--model-path", s.model_path, "--layer-ids",
                ",".join(map(str, layer_ids)), "--spool", spool, "--port", str(port), "--dtype", dtype]
         return cmd + (["--trust-remote-code"] if s.trust_remote_code else [])
     cmd = [sys.executable, "-m", server_module(), "--model", s.model_path, "--host", "127.0.0.1", "--port", str(port),

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 
-from . import faults, outdir
+from . import engines, faults, outdir
 from .engine import wait_for_engine_file
 from .spool import remove_spool_file
 from .errors import UsageError
@@ -201,7 +201,7 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
     # H200's host; at Kimi's width the forward makes 5 GB/s of states); on CPU one, at low priority, next to the
     # vLLM engine's threads
     writer_threads = args.writer_threads or (min(8, os.cpu_count() or 1) if plan.on_gpu else 1)
-    background_writer = args.backend == "vllm" and not plan.on_gpu
+    background_writer = engines.kind(args.backend).background_writer_on_cpu and not plan.on_gpu
     failed, done_tokens, written = {}, [0], set()
     oom_above, nan_rows = faults.oom_above(), faults.nan_rows()
     lock = threading.Lock()

@@ -7,6 +7,7 @@ line naming both sides, when the operator gave it explicitly, or when a config g
 makes it meaningless (`tp_size: 8` in a config, `--backend hf` on the command line). Between two keys of one config it
 is accepted: a config's top level is shared by every stage, and the Kimi config's `tp_size` is stage 05's too.
 """
+from . import engines
 from .errors import UsageError
 
 # stage -> [(setting, matters(record) -> bool, the settings that decide it, why it is ignored)]
@@ -14,9 +15,10 @@ IGNORED_UNLESS = {
     "prepare": [(name, lambda r: r.regenerate, ("regenerate",), "it sets up --regenerate")
                 for name in ("regen_temperature", "regen_max_tokens", "regen_batch_size", "regen_tp_size")],
     "extract": [
-        ("tp_size", lambda r: r.backend == "vllm" or r.tp_size == 1, ("backend",),
+        ("tp_size", lambda r: engines.kind(r.backend).tensor_parallel or r.tp_size == 1, ("backend",),
          "the hf backend has no tensor parallelism (it runs on one device)"),
-        ("gpu_memory_utilization", lambda r: r.backend == "vllm", ("backend",), "it is the vllm backend's setting"),
+        ("gpu_memory_utilization", lambda r: engines.kind(r.backend) is engines.VLLM, ("backend",),
+         "it is the vllm backend's setting"),
     ],
     "train": [
         ("hidden_states", lambda r: not r.online, ("online",),

@@ -5,7 +5,7 @@ import os
 import socket
 from typing import Optional
 
-from . import compute
+from . import compute, engines
 from .compute import available_ram
 from .compute import visible_gpus
 from .engine import get_json
@@ -64,7 +64,8 @@ def check_engine(s, text_cfg, weights, gpus, engine_gpus, shared):
     """What can be known before the engine loads: vLLM installed, TP against the heads, the weights in the memory
     the engine may use. -> the memory fraction vLLM may take on each of its GPUs."""
     import importlib.util
-    if s.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+    kind = engines.kind(s.backend)
+    if kind is engines.VLLM and importlib.util.find_spec(kind.module) is None:
         raise UsageError("--backend vllm: vLLM is not installed here; use --backend hf (transformers), or "
                          "--engine-address of an engine running elsewhere")
     tp = max(1, len(engine_gpus))
@@ -72,7 +73,7 @@ def check_engine(s, text_cfg, weights, gpus, engine_gpus, shared):
     if weights:
         if engine_gpus:
             # vLLM splits the weights evenly over TP; the HF engine fills its GPUs one after another
-            have = memory * (min(gpus[i][1] for i in engine_gpus) * tp if s.backend == "vllm"
+            have = memory * (min(gpus[i][1] for i in engine_gpus) * tp if kind.weights_split_evenly
                              else sum(gpus[i][1] for i in engine_gpus))
             where = f"{tp} engine GPU(s) at --engine-memory {memory}"
         else:
@@ -138,14 +139,14 @@ def plan(s, fp, text_cfg, longest, layer_ids):
     shared = bool(engine_gpus) and set(engine_gpus) == set(trainer_gpus)
     dtype = compute.resolve(s.dtype, bool(gpus))
     tp = max(1, len(engine_gpus))
-    compute.check_engine(s.backend, tp, f"--engine-gpus: {tp} GPUs as tensor parallel", text_cfg, gpus, dtype.dtype,
+    compute.check_engine(engines.kind(s.backend), tp, f"--engine-gpus: {tp} GPUs as tensor parallel", text_cfg, gpus, dtype.dtype,
                          "the trainer reads bf16")
     memory = check_engine(s, text_cfg, compute.loaded_weights_bytes(weights_bytes(s.model_path), fp.get("torch_dtype"),
                           dtype.dtype), gpus, engine_gpus, shared)
     port = free_port("--engine-port", s.engine_port)
     return OnlinePlan(address=None, port=port, engine_cvd=physical(engine_gpus) if gpus else None,
                 trainer_cvd=physical(trainer_gpus) if gpus and not shared else None,
-                tp=max(1, len(engine_gpus)) if s.backend == "vllm" else 1, memory=memory, dtype=dtype.dtype, **common)
+                tp=max(1, len(engine_gpus)) if engines.kind(s.backend).tensor_parallel else 1, memory=memory, dtype=dtype.dtype, **common)
 
 
 def describe(p, backend):

@@ -18,7 +18,7 @@ import os
 import shutil
 from typing import Optional
 
-from . import compute
+from . import compute, engines
 from .errors import UsageError
 from .compute import available_ram
 from .compute import visible_gpus
@@ -83,12 +83,12 @@ def check_memory(args, cfg, n_states, weights, gpus, rows, longest, note="", val
         worst = min(worst, args.max_tokens_per_batch)
     if gpus:
         per_gpu = min(t for _, t in gpus[: max(args.tp_size, 1)])
-        n = args.tp_size if args.backend == "vllm" else len(gpus)
+        n = args.tp_size if engines.kind(args.backend).weights_split_evenly else len(gpus)
         avail = int(per_gpu * args.gpu_memory_utilization * n) - (weights or 0)
         where = f"{n} GPU(s) x {per_gpu / 2**30:.0f} GiB x {args.gpu_memory_utilization}"
     else:
         avail = available_ram() - (weights or 0)
-        if args.backend == "vllm":  # vLLM-CPU reserves its KV cache up front (VLLM_CPU_KVCACHE_SPACE)
+        if engines.kind(args.backend).cpu_kv_cache_reserved:  # vLLM-CPU: VLLM_CPU_KVCACHE_SPACE
             avail -= int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")) * 2**30)
         where = "available RAM"
     if avail <= 0:
@@ -171,16 +171,17 @@ def plan(args):
     layer_ids = verifier.resolve_layer_ids(args.layer_ids, n)
     gpus = visible_gpus()
     dtype = compute.resolve(args.dtype, bool(gpus))
-    compute.check_engine(args.backend, args.tp_size, f"--tp-size {args.tp_size}", {**tc, **fp}, gpus, dtype.dtype,
+    kind = engines.kind(args.backend)
+    compute.check_engine(kind, args.tp_size, f"--tp-size {args.tp_size}", {**tc, **fp}, gpus, dtype.dtype,
                          "stage 02's files are bf16")
-    if args.backend == "vllm":
+    if kind.tensor_parallel:
         if gpus and args.tp_size > len(gpus):
             raise UsageError(f"--tp-size {args.tp_size}: only {len(gpus)} GPU(s) visible "
                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         if not gpus and args.tp_size > 1:
             raise UsageError(f"--tp-size {args.tp_size}: no GPU visible; on CPU use --tp-size 1")
     rows = counts["rows"]
-    if args.backend == "hf" and args.tp_size > 1:
+    if not kind.tensor_parallel and args.tp_size > 1:
         raise UsageError(f"--tp-size {args.tp_size}: the hf backend has no tensor parallelism (it places whole layers "
                          f"on the visible GPUs, one GPU at a time); use --backend vllm, or drop --tp-size and choose "
                          f"the GPUs with CUDA_VISIBLE_DEVICES")

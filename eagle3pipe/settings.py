@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
+from . import engines
 from .errors import UsageError
 from .compute import CHOICES as DTYPES
 
@@ -130,7 +131,7 @@ class Extract(Record):
     model_path: str = rule(path=True)
     prepared_data: str = rule(path=True)
     output_dir: str = rule(path=True)
-    backend: str = rule(choices=("vllm", "hf"))
+    backend: str = rule(choices=tuple(engines.KINDS))
     tp_size: int = rule(ge=1)
     max_seq_len: int = rule(ge=2)
     batch_size: int = rule(ge=1)
@@ -206,7 +207,7 @@ class Train(Record):
     trust_remote_code: bool = rule()
     overwrite: bool = rule()
     online: bool = rule()
-    backend: str = rule(choices=("vllm", "hf"))
+    backend: str = rule(choices=tuple(engines.KINDS))
     layer_ids: Optional[list[int]] = rule(ge=0)
     cache_gb: float = rule(ge=0)
     engine_address: Optional[str] = rule(path=True)
