@@ -190,33 +190,38 @@ def table(arms, base="baseline"):
     return rows, band
 
 
-def pack(w, runs, dst):
-    """Each run's checkpoint_best as one bf16 safetensors without `embed_tokens` (checked equal to the verifier's),
-    its config, val_metrics and the run's manifest in the metadata; split in 15 MB parts for the transfer limit."""
+def pack_one(w, run, ck, dst):
+    """One checkpoint `ck` of `run` as one bf16 safetensors without `embed_tokens` (checked equal to the verifier's),
+    its config, val_metrics and the run's manifest (when it has one) in the metadata; split in 15 MB parts for the
+    transfer limit. `unpack` reverses it."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
     os.makedirs(dst, exist_ok=True)
     with safe_open(f"{MODEL}/model.safetensors", "pt") as f:
         embed = f.get_tensor("model.embed_tokens.weight")
+    tensors = {}
+    with safe_open(f"{ck}/model.safetensors", "pt") as f:
+        for k in f.keys():
+            t = f.get_tensor(k)
+            if k == "embed_tokens.weight":
+                if not torch.equal(t.to(embed.dtype), embed):
+                    sys.exit(f"{run}: embed_tokens differs from the verifier's; cannot drop it")
+                continue
+            tensors[k] = t.to(torch.bfloat16) if t.is_floating_point() else t
+    meta = {"epoch": os.path.basename(ck),
+            **{n: open(p).read() for n, p in (("config.json", f"{ck}/config.json"),
+                                               ("val_metrics.json", f"{ck}/val_metrics.json"),
+                                               ("manifest.json", f"{w}/ck/{run}/manifest.json")) if os.path.isfile(p)}}
+    save_file(tensors, f"{dst}/{run}.safetensors", metadata=meta)
+    subprocess.run(["split", "-b", "15M", "-d", f"{dst}/{run}.safetensors", f"{dst}/{run}.part"], check=True)
+    os.remove(f"{dst}/{run}.safetensors")
+
+
+def pack(w, runs, dst):
+    """Each run's checkpoint_best, packed (pack_one)."""
     for run in runs:
-        ck = os.path.realpath(f"{w}/ck/{run}/checkpoint_best")
-        tensors = {}
-        with safe_open(f"{ck}/model.safetensors", "pt") as f:
-            for k in f.keys():
-                t = f.get_tensor(k)
-                if k == "embed_tokens.weight":
-                    if not torch.equal(t.to(embed.dtype), embed):
-                        sys.exit(f"{run}: embed_tokens differs from the verifier's; cannot drop it")
-                    continue
-                tensors[k] = t.to(torch.bfloat16) if t.is_floating_point() else t
-        meta = {"epoch": os.path.basename(ck),
-                **{n: open(p).read() for n, p in (("config.json", f"{ck}/config.json"),
-                                                   ("val_metrics.json", f"{ck}/val_metrics.json"),
-                                                   ("manifest.json", f"{w}/ck/{run}/manifest.json"))}}
-        save_file(tensors, f"{dst}/{run}.safetensors", metadata=meta)
-        subprocess.run(["split", "-b", "15M", "-d", f"{dst}/{run}.safetensors", f"{dst}/{run}.part"], check=True)
-        os.remove(f"{dst}/{run}.safetensors")
+        pack_one(w, run, os.path.realpath(f"{w}/ck/{run}/checkpoint_best"), dst)
     print(json.dumps(estimates(w)))
 
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from bench.bench_recipe import CFG, MODEL, held_out, must, py, unpack
+from bench.bench_recipe import CFG, MODEL, held_out, must, pack_one, py, unpack
 from bench.common import REPO, result
 
 K, MAX_NEW = 5, 128  # one forward with 5 TTT steps gives k=3 (its first 3 steps) and k=5
@@ -206,31 +206,10 @@ def best_epochs(w, k="k3"):
 
 
 def pack(w, runs, dst):
-    """Each run's best epoch (by the measure at k=3) as one bf16 safetensors without `embed_tokens` (checked equal to
-    the verifier's), its config, val_metrics and the run's manifest in the metadata; 15 MB parts."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    """Each run's best epoch by the measure at k=3, packed for the trip back (bench_recipe.pack_one)."""
     _, best = best_epochs(w)
-    os.makedirs(dst, exist_ok=True)
-    with safe_open(f"{MODEL}/model.safetensors", "pt") as f:
-        embed = f.get_tensor("model.embed_tokens.weight")
     for run in runs:
-        ck, tensors = f"{w}/ck/{run}/{best[run]}", {}
-        with safe_open(f"{ck}/model.safetensors", "pt") as f:
-            for k in f.keys():
-                t = f.get_tensor(k)
-                if k == "embed_tokens.weight":
-                    if not torch.equal(t.to(embed.dtype), embed):
-                        sys.exit(f"{run}: embed_tokens differs from the verifier's; cannot drop it")
-                    continue
-                tensors[k] = t.to(torch.bfloat16) if t.is_floating_point() else t
-        meta = {"epoch": best[run], **{n: open(p).read() for n, p in (
-            ("config.json", f"{ck}/config.json"), ("val_metrics.json", f"{ck}/val_metrics.json"),
-            ("manifest.json", f"{w}/ck/{run}/manifest.json")) if os.path.isfile(p)}}
-        save_file(tensors, f"{dst}/{run}.safetensors", metadata=meta)
-        subprocess.run(["split", "-b", "15M", "-d", f"{dst}/{run}.safetensors", f"{dst}/{run}.part"], check=True)
-        os.remove(f"{dst}/{run}.safetensors")
+        pack_one(w, run, f"{w}/ck/{run}/{best[run]}", dst)
 
 
 def confirm(w, runs, name, num_prompts, batch):
@@ -258,7 +237,8 @@ def report(w, plot):
         eps, b = runs[run], m[f"{run}/{best[run]}"]
         man = json.load(open(f"{w}/ck/{run}/manifest.json")) if os.path.isfile(f"{w}/ck/{run}/manifest.json") else {}
         lo, hi = bootstrap(b["k3"]["per_prompt"])
-        rows.append(f"| {run} | {man.get('counts', {}).get('rows', '')} | {len(eps)} | {best[run]} | "
+        n_rows = (man.get("identity") or {}).get("num_samples") or run.split("-")[0][1:]
+        rows.append(f"| {run} | {n_rows} | {len(eps)} | {best[run]} | "
                     f"{b['k3']['acceptance_length']:.3f} | {lo:.3f}-{hi:.3f} | "
                     f"{' / '.join(f'{x:.2f}' for x in b['k3']['per_position'])} | {b['k5']['acceptance_length']:.3f} | "
                     f"{b['trainer'] or float('nan'):.3f} |")
