@@ -206,14 +206,21 @@ def update_best(trainer, epoch, val_metrics, measure, by_loss):
     elif trainer.rank == 0 and saved:  # every checkpoint carries its figures (stage 05 ranks by them too)
         from .files import write_json
         record = {**val_metrics, "expected_acceptance_length": estimate}
-        if measure is not None:
-            record["acceptance_measure"] = measure.score(trainer.model)
+        if measure is not None and not measure.failed:
+            try:
+                record["acceptance_measure"] = measure.score(trainer.model)
+            except Exception as e:  # noqa: BLE001 - choosing the best epoch must never cost the training run
+                from .cli import describe
+                measure.failed = describe(e)[1]
+                log.warning(f"acceptance measure failed ({measure.failed}); checkpoint_best follows the trainer's "
+                            f"estimate from here on")
+        measured = measure is not None and not measure.failed
         write_json(str(trainer.checkpointer.path / str(epoch) / "val_metrics.json"), record)
-        score = best_score(record, measured=measure is not None)[0]
+        score = best_score(record, measured=measured)[0]
         said = (f"acceptance length {score:.3f} by the measure ({measure.describe()}); the trainer's "
-                f"estimate {estimate or float('nan'):.3f} on the validation rows" if measure is not None else
+                f"estimate {estimate or float('nan'):.3f} on the validation rows" if measured else
                 f"expected acceptance length {score:.3f} on the validation rows")
-        if score <= best_acceptance(trainer.checkpointer.path, skip=str(epoch), measured=measure is not None):
+        if score <= best_acceptance(trainer.checkpointer.path, skip=str(epoch), measured=measured):
             outdir.record(str(trainer.checkpointer.path / str(epoch) / "val_metrics.json"))
             log.info(f"epoch {epoch}: {said}; checkpoint_best stays")
             return

@@ -64,6 +64,7 @@ class Measure:
         self.model_path, self.layer_ids, self.prompts = model_path, list(layer_ids), prompts
         self.k, self.max_new_tokens, self.device, self.trust_remote_code = k, max_new_tokens, device, trust_remote_code
         self.refs = self.stops = None
+        self.failed = None  # why the measure failed once (checkpoints.update_best then follows the estimate)
 
     def describe(self):
         return f"{len(self.prompts)} held-out prompts, {self.max_new_tokens} tokens, k={self.k}"

@@ -621,3 +621,34 @@ def test_a_replica_that_found_no_record_reads_the_one_another_replica_made(tmp_p
     _claim(d, "extract", shard=(0, 2))
     monkeypatch.undo()
     assert outdir.owned(str(d / "b.json"))  # the other replica's file: installing over it is not a stranger's
+
+
+def test_a_measure_that_fails_leaves_checkpoint_best_to_the_estimate(tmp_path, caplog):
+    """The acceptance measure is an addition: its verifier failing to load (here: a folder with no model) is one
+    warning, not a failed run; checkpoint_best then follows the trainer's estimate, and the measure is not tried
+    again at later epochs."""
+    import json
+    from speculators.train.checkpointer import SingleGPUCheckpointer
+    from eagle3pipe import files, training
+    from eagle3pipe.validation_measure import Measure
+    d = tmp_path / "ck"
+    _claim(d, "train")
+    for e in ("0", "1"):
+        outdir.make_dir(str(d / e))
+        files.write_json(str(d / e / "config.json"), {})
+    (tmp_path / "no-model").mkdir()
+    measure = Measure(str(tmp_path / "no-model"), [2], [[1, 2, 3]], 3, 4, "cpu")
+
+    class Config:
+        checkpoint_freq = 1.0
+    cls = training.make_trainer_class(None, True, None, measure)
+    t = cls.__new__(cls)
+    t.rank, t.config, t.best_val_loss, t.checkpointer = 0, Config(), float("inf"), SingleGPUCheckpointer(d)
+    t.model = None
+    with caplog.at_level("WARNING", logger="eagle3"):
+        t.maybe_update_best(0, {"loss_epoch": 9.7, "full_acc_0_epoch": 0.30})
+        t.maybe_update_best(1, {"loss_epoch": 9.1, "full_acc_0_epoch": 0.40})
+    warned = [r.getMessage() for r in caplog.records if "acceptance measure failed" in r.getMessage()]
+    assert len(warned) == 1 and "checkpoint_best follows the trainer's estimate" in warned[0], warned
+    assert measure.failed and os.readlink(d / "checkpoint_best") == "1"
+    assert "acceptance_measure" not in json.load(open(d / "1" / "val_metrics.json"))
