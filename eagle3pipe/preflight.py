@@ -172,7 +172,7 @@ def plan(args):
     gpus = visible_gpus()
     dtype = compute.resolve(args.dtype, bool(gpus))
     kind = engines.kind(args.backend)
-    compute.check_engine(kind, args.tp_size, f"--tp-size {args.tp_size}", {**tc, **fp}, gpus, dtype.dtype,
+    compute.check_engine(kind, args.tp_size, f"--tp-size {args.tp_size}", fp, gpus, dtype.dtype,
                          "stage 02's files are bf16")
     if kind.tensor_parallel:
         if gpus and args.tp_size > len(gpus):

@@ -58,6 +58,7 @@ PREFLIGHT = [
     (["--checkpoint-freq", "0.001"], ["--checkpoint-freq 0.001: at least 0.01"]),
     (["--warmup-steps", "100000"], ["--warmup-steps 100000", "never reach --lr"]),
     (["--num-workers", "100000"], ["--num-workers 100000", "CPU cores"]),
+    (["--num-samples", "999"], ["--num-samples 999: --prepared-data", "holds 24 rows"]),
 ]
 
 
