@@ -30,8 +30,11 @@ def parse_args(argv=None):
     p.add_argument("--hidden-states", default="data/hidden_states", help="stage 02 folder")
     p.add_argument("--vocab-mapping", default="data/vocab_map_32000", help="stage 03 folder")
     p.add_argument("--output-dir", default="data/checkpoints", help="checkpoint folder")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (speculators' default)")
+    p.add_argument("--epochs", type=int, default=3,
+                   help="passes over the rows; the best epoch falls as data grows (docs/RECIPE.md: 8 at 1,000 rows, "
+                        "3 or more at 16,000), so fewer rows want more")
+    p.add_argument("--lr", type=float, default=3e-3,
+                   help="peak learning rate (Muon on 2-D weights, AdamW on the rest; docs/RECIPE.md)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: speculators')")
     p.add_argument("--total-seq-len", type=int, default=8192, help="tokens per packed training batch")

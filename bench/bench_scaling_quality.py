@@ -12,6 +12,8 @@ package's ShareGPT conversations, every epoch measured on held-out prompts by th
     python -m bench.bench_scaling_quality pack    --work W --runs n300-s0,... --out D   # best epochs, bf16
     python -m bench.bench_scaling_quality confirm --work W --runs ... --name N          # stage 05 through vLLM
     python -m bench.bench_scaling_quality report  --work W [--plot docs/scaling_quality.png]
+    python -m bench.bench_scaling_quality curve   --work W --src bench/results/scaling_quality_20261202.json \
+        --plot docs/scaling_quality.png             # the data curve from a results file
 
 A run is SIZE:EPOCHS:SEED[:TOKENS[:LEVERS]]. SIZE is a row count (stage 04's --num-samples: the first N rows of
 stage 01's shuffled output, a random subset of the training records) or `all`; TOKENS, when given, is the tokens per step
@@ -308,10 +310,39 @@ def report(w, plot):
     result({"runs": out})
 
 
+def curve(src, plot):
+    """The data curve from a results file (bench/results/scaling_quality_*.json): the best epoch of each size by the
+    measure (each seed) and through vLLM, on a log axis of training rows."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    r = json.load(open(src))
+    rows = [s["rows"] for s in r["sizes"]]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for seed in (0, 1):
+        pts = [(s["rows"], s["measure"][seed]) for s in r["sizes"] if len(s["measure"]) > seed]
+        ax.plot(*zip(*pts), marker="o", ls="-" if seed == 0 else "", label=f"measure, {r['prompts']['measure']} "
+                f"prompts, seed {seed}")
+    ax.plot(rows, [s["vllm"] for s in r["sizes"]], marker="s", label=f"vLLM, {r['prompts']['vllm']} prompts")
+    k5 = [(s["rows"], s["k5"]) for s in r["sizes"] if s.get("k5")]
+    if k5:
+        ax.plot(*zip(*k5), marker="^", ls=":", label="measure, k=5")
+    for s in r["sizes"]:
+        ax.annotate(f"ep {s['best_epoch']}/{s['epochs']}", (s["rows"], s["measure"][0]), textcoords="offset points",
+                    xytext=(4, -12), fontsize=7)
+    ax.set_xscale("log")
+    ax.set(xlabel="training conversations (rows)", ylabel=f"acceptance length (k={r['k']} unless marked)",
+           title="SmolLM2-135M's EAGLE-3 draft: best epoch per data size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(plot, dpi=110)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("step", choices=["prepare", "carry", "uncarry", "extract", "train", "measure", "pack", "unpack",
-                                    "confirm", "report"])
+                                    "confirm", "report", "curve"])
     p.add_argument("--work", required=True)
     p.add_argument("--states", default=None, help="stage 02's folder (default: W/hs)")
     p.add_argument("--holdout", type=int, default=500, help="the package's last N records, never trained on")
@@ -356,6 +387,8 @@ def main():
         unpack(w, a.src)
     elif a.step == "confirm":
         confirm(w, runs, a.name, a.num_prompts, a.batch_size)
+    elif a.step == "curve":
+        curve(a.src, a.plot)
     else:
         report(w, a.plot)
 

@@ -49,7 +49,7 @@ case $STEP in
     tail -2 $W/logs/extract.log; df -h "$STATES" | tail -1
     left=$(( SECONDS_LEFT - ($(date +%s) - t0) ))
     train=(python3 -m bench.bench_scaling_quality train --work $W --states "$STATES" --runs "$RUNS" --parallel 8
-           --extra "--num-workers 2 --measure-prompts 0")
+           --extra "${EXTRA:---num-workers 2 --measure-prompts 0}")  # EXTRA: every run's flags
     if [ -f /tmp/bg_ok ]; then
       BUDGET=${BUDGET:-1500}  # the runs' and the watcher's own bound, past this call
       setsid nohup timeout -s TERM -k 60 "$BUDGET" "${train[@]}" > $W/logs/train.out 2>&1 < /dev/null &

@@ -50,7 +50,7 @@ def test_a_different_run_is_named_setting_by_setting(tmp_path):
                                     {**recipe, "scheduler_type": "cosine"}, "bfloat16")
     with pytest.raises(UsageError) as e:
         train_plan.check_resume(s, other)
-    assert "--hidden-states (its content id) e1 -> e2; --lr 0.002 -> 0.001; --seed 0 -> 4; --scheduler linear -> " \
+    assert "--hidden-states (its content id) e1 -> e2; --lr 0.002 -> 0.003; --seed 0 -> 4; --scheduler linear -> " \
            "cosine" in str(e.value) and "--overwrite" in str(e.value)
     assert train_plan.check_resume(settings("--output-dir", str(out), "--overwrite"), other) is None
     # trained in bf16, rerun in float32: the optimizer's states and the weights would continue in another precision
