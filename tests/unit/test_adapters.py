@@ -50,6 +50,11 @@ def test_every_replacement_is_undone_when_its_block_ends():
     assert after == before and adapters._originals == {}
 
 
+# documented settings of another library's object, meant to be written by its users
+PUBLIC_SETTINGS = {"daemon_threads",  # socketserver.ThreadingMixIn's, documented to be set per server
+                   "name_or_path"}    # speculators' VerifierConfig field (a pydantic model's public field)
+
+
 def _replacements(text, name):
     """Assignments to, or setattr on, an attribute of a module imported from another library."""
     tree = ast.parse(text)
@@ -59,6 +64,17 @@ def _replacements(text, name):
             foreign |= {(a.asname or a.name).split(".")[0] for a in node.names if not a.name.startswith("eagle3pipe")}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and not node.module.startswith("eagle3pipe"):
             foreign |= {a.asname or a.name for a in node.names}
+    # names bound to what a call into another library returned (`model = AutoModel.from_pretrained(...)`): writing
+    # one of their attributes changes that library's object just the same
+    made = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            base = node.value.func
+            while isinstance(base, (ast.Attribute, ast.Call)):
+                base = base.value if isinstance(base, ast.Attribute) else base.func
+            if isinstance(base, ast.Name) and base.id in foreign:
+                for t in node.targets:
+                    made |= {n.id for n in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(n, ast.Name)}
     found = []
     for node in ast.walk(tree):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
@@ -69,7 +85,8 @@ def _replacements(text, name):
             base = t
             while isinstance(base, ast.Attribute):
                 base = base.value
-            if t is not base and isinstance(base, ast.Name) and base.id in foreign:
+            if t is not base and isinstance(base, ast.Name) and (base.id in foreign or base.id in made) \
+                    and not (isinstance(t, ast.Attribute) and t.attr in PUBLIC_SETTINGS):
                 found.append(f"{name}:{node.lineno} {ast.unparse(t)}")
     return found
 
@@ -84,8 +101,8 @@ def test_no_module_but_the_adapter_room_replaces_another_library_s_attribute():
     assert found == []
     # the scan sees a replacement, however it is spelled
     probe = "import torch\nimport speculators.train.cli as scli\nfrom x import y\ntorch.a.b = 1\nscli.T = 2\n" \
-            "setattr(y, 'z', 3)\nlocal = object()\nlocal.attr = 4\n"
-    assert [r.split(" ", 1)[1] for r in _replacements(probe, "probe")] == ["torch.a.b", "scli.T", "y.?"]
+            "setattr(y, 'z', 3)\nlocal = object()\nlocal.attr = 4\nm = y.load('p').to('cpu')\nm.flag = 5\n"
+    assert sorted(r.split(" ", 1)[1] for r in _replacements(probe, "probe")) == ["m.flag", "scli.T", "torch.a.b", "y.?"]
 
 
 def test_every_recipe_option_reaches_speculators_config_by_name():
