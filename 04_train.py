@@ -120,7 +120,7 @@ def main():
         train_data.OfflineData(args, plan.ext, out, rank, plan.rows, bridge, dtype.dtype)
     with data:  # online: the engine runs (and is watched) until training ends
         cfg = training.train_config(args, bridge, plan.aux, on_cpu, plan.draft_vocab, engine_url=data.url,
-                                    storage=plan.ext.get("storage_dtype", "bf16"), dtype=dtype.dtype,
+                                    storage=plan.ext.storage_dtype, dtype=dtype.dtype,
                                     recipe_=plan.recipe)
         log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(plan.rows) - len(plan.failed)} rows "
                  f"({sum(len(r[0]) for r in plan.rows):,} tokens), aux layer ids {plan.aux}, draft vocab "

@@ -16,13 +16,13 @@ package's ShareGPT conversations, every epoch measured on held-out prompts by th
         --plot docs/scaling_quality.png             # the data curve from a results file
 
 A run is SIZE:EPOCHS:SEED[:TOKENS[:LEVERS]]. SIZE is a row count (stage 04's --num-samples: the first N rows of
-stage 01's shuffled output, a random subset of the training records) or `all`; TOKENS, when given, is the tokens per step
-(--total-seq-len; the config's 2048 otherwise); LEVERS, '+'-joined: L<n> draft layers, v<n> the draft vocabulary
-built by `prepare --vocab n`, e<n> the epoch count in the run's name. `measure --watch S` measures epochs as they
-appear while `train` runs (it marks W/training), for at most S seconds. Every step runs the numbered scripts as a
-user would and skips what W already holds, so a stopped study resumes. The measure runs on a GPU when there is one: references
-(the verifier's greedy continuation of each prompt, 128 + 5 tokens, EOS not stopping it) are made once, batched,
-in float32, and stored in W/refs.pt; each checkpoint is then one TTT forward per prompt.
+stage 01's shuffled output, a random subset of the training records) or `all`; TOKENS, when given, is the tokens per
+step (--total-seq-len; the config's 2048 otherwise); LEVERS, '+'-joined: L<n> draft layers, v<n> the draft
+vocabulary built by `prepare --vocab n`, e<n> the epoch count in the run's name. `measure --watch S` measures epochs
+as they appear while `train` runs (it marks W/training), for at most S seconds. Every step runs the numbered scripts
+as a user would and skips what W already holds, so a stopped study resumes. The measure runs on a GPU when there is
+one: references (the verifier's greedy continuation of each prompt, 128 + 5 tokens, EOS not stopping it) are made
+once, batched, in float32, and stored in W/refs.pt; each checkpoint is then one TTT forward per prompt.
 """
 import argparse
 import glob

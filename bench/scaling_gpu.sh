@@ -6,8 +6,10 @@
 #   bash bench/scaling_gpu.sh model OUT        # the GGUF's other parts, the conversion, its sha256
 #   bash bench/scaling_gpu.sh go OUT RUNS SECONDS  # the inputs; stage 02 once (fp8), then the runs in parallel,
 #                                                  # every epoch measured as it appears; follows them for SECONDS
+#                                                  # (BUDGET: the runs' bound in s; EXTRA: every run's flags)
 #   bash bench/scaling_gpu.sh follow OUT SECONDS   # the runs' progress until they end or SECONDS pass
 #   bash bench/scaling_gpu.sh measure OUT RUNS    # every epoch measured; the best of RUNS packed into OUT
+# The machine goes back after 30 s idle, with the runs on it: make each next call at once.
 # A stopped step resumes from what the machine still holds (stage 02 and stage 04 resume; measure skips done epochs).
 # Where the machine keeps a command's detached processes between calls (setup probes it, model reports it), `go`
 # starts the runs detached, each bounded by `timeout`, so that a run is not cut at a call's 10-minute limit; where it

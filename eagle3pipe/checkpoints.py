@@ -262,7 +262,7 @@ def finish(s, plan, out, previous, result, cfg, on_cpu, dtype, rank):
         log.info(f"nothing left to train: {out} is unchanged (its manifest says how it was trained)")
         return 0
     files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
-        "train", s, identity=plan.identity, verifier=plan.verifier, layer_ids=plan.ext["layer_ids"],
+        "train", s, identity=plan.identity, verifier=plan.verifier, layer_ids=list(plan.ext.layer_ids),
         aux_layer_ids=plan.aux, layer_id_convention=LAYER_ID_CONVENTION, draft_vocab_size=plan.draft_vocab,
         compute_dtype=dtype.dtype, compute_dtype_reason=dtype.reason, recipe=plan.recipe,
         inputs={"prepared_data": os.path.abspath(s.prepared_data), "hidden_states": "online" if s.online else

@@ -84,7 +84,7 @@ def stage04_inputs(s, prep, ext, voc):
     entries = [("--prepared-data", s.prepared_data, "prepare", prep["content_id"], {}),
                ("--vocab-mapping", s.vocab_mapping, "vocab", voc["content_id"], {})]
     if not s.online:
-        entries.append(("--hidden-states", s.hidden_states, "extract", ext["content_id"], {}))
+        entries.append(("--hidden-states", s.hidden_states, "extract", ext.content_id, {}))
     return Watch(entries)
 
 

@@ -3,6 +3,7 @@ files read through a checked transfer (a bad sample skipped and counted), and st
 speculators reads (the bridge; online runs build it too, with the engine's address). Hidden states are never copied:
 speculators' `hidden_states_path` points at stage 02's folder, row i <-> hs_i.
 """
+import dataclasses
 import json
 import logging
 import os
@@ -17,6 +18,27 @@ from .verifier import same_verifier
 log = logging.getLogger("eagle3")
 
 
+@dataclasses.dataclass(frozen=True)
+class States:
+    """What stage 04 trains on besides the rows: stage 02's folder (read from its manifest) or an --online engine's
+    states (described by the run's own flags, no folder)."""
+    layer_ids: tuple      # the verifier's layer ids stored per token; the last, n, is its last hidden state
+    hidden_size: int
+    storage_dtype: str    # bf16 or fp8 (with scales) as stored; online engines hand over bf16
+    content_id: str       # part of the run's identity: another extraction is another run
+    failed: frozenset = frozenset()  # rows stage 02 could not extract: no file
+    online: bool = False
+
+    @classmethod
+    def from_manifest(cls, m):
+        return cls(tuple(m["layer_ids"]), m["verifier"]["hidden_size"], m.get("storage_dtype", "bf16"),
+                   m["content_id"], frozenset(int(i) for i in m.get("failures", {})))
+
+    @property
+    def aux(self):
+        return list(self.layer_ids[:-1])  # the draft's inputs
+
+
 DATASET_FILES = r"data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|\.done"  # datasets' save_to_disk, and ours
 
 
@@ -28,14 +50,14 @@ def _mismatch(what, a_name, a, b_name, b, rerun):
 
 
 def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
-    """All cross-stage checks, before torch: -> (prep, extract, vocab manifests, rows [(ids, mask)], failed rows).
-    With --online (`online_layer_ids`) there is no stage 02 folder: `extract` describes the states the engine makes."""
+    """All cross-stage checks, before torch: -> (prep manifest, States, vocab manifest, rows [(ids, mask)], failed
+    rows). With --online (`online_layer_ids`) there is no stage 02 folder: States describes what the engine makes."""
     from .files import content_id
     prep = load_stage("--prepared-data", args.prepared_data, "prepare")
     voc = load_stage("--vocab-mapping", args.vocab_mapping, "vocab")
     if online_layer_ids:
-        ext = {"layer_ids": online_layer_ids, "verifier": fp, "storage_dtype": "bf16",
-               "content_id": "online-" + content_id([online_layer_ids, prep["content_id"]])}
+        states = States(tuple(online_layer_ids), fp["hidden_size"], "bf16",
+                        "online-" + content_id([online_layer_ids, prep["content_id"]]), online=True)
     else:
         ext = load_stage("--hidden-states", args.hidden_states, "extract")
         _mismatch("--hidden-states", "stage 01", prep["verifier"], "stage 02", ext["verifier"], "extract")
@@ -46,6 +68,7 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
                 list(args.layer_ids) != ext["layer_ids"]:
             raise UsageError(f"--layer-ids {args.layer_ids}: stage 02 extracted {ext['layer_ids'][:-1]} into "
                              f"--hidden-states {args.hidden_states}; give those, or rerun {STAGE_SCRIPTS['extract']}")
+        states = States.from_manifest(ext)
     _mismatch("--prepared-data", "--model-path", fp, "stage 01", prep["verifier"], "prepare")
     _mismatch("--vocab-mapping", "stage 01", prep["verifier"], "stage 03", voc["verifier"], "vocab")
     import numpy as np
@@ -65,9 +88,8 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
         if rows.digest != prep["content_id"]:
             raise UsageError(f"--prepared-data {args.prepared_data}: tokenized_data.jsonl was edited after stage 01 "
                              f"wrote it (its hash is not the manifest's content_id); rerun {STAGE_SCRIPTS['prepare']}")
-        return prep, ext, voc, rows, set()
-    n_states, hidden = len(ext["layer_ids"]), ext["verifier"]["hidden_size"]
-    failed = {int(i) for i in ext.get("failures", {})}
+        return prep, states, voc, rows, set()
+    n_states, hidden, failed = len(states.layer_ids), states.hidden_size, set(states.failed)
     if rows.digest != prep["content_id"]:
         changed = next((i for i, (ids, _) in enumerate(rows) if i not in failed and _stored_ids(args, i) != ids), None)
         where = (f"row {changed} (line {changed + 1}) differs from the tokens stage 02 extracted into "
@@ -94,7 +116,7 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
         i, reason = bad[0]
         raise UsageError(f"--hidden-states {args.hidden_states}: {len(bad)} bad file(s), e.g. hs_{i}.safetensors: "
                          f"{reason}; rerun {STAGE_SCRIPTS['extract']} (it redoes only those)")
-    return prep, ext, voc, rows, failed
+    return prep, states, voc, rows, failed
 
 
 _checked = [None]  # the transfer install_checked registered
@@ -182,19 +204,18 @@ class OfflineData:
     waits for it and registers the checked transfer (each sample checked where it is read: CRC, dtype, finite
     values). `loaders()`: speculators' own; `summary()`: the samples skipped."""
 
-    def __init__(self, args, ext, out, rank, rows, bridge, dtype):
-        self.args, self.ext, self.out, self.rank, self.rows, self.bridge, self.dtype = \
-            args, ext, out, rank, rows, bridge, dtype
+    def __init__(self, args, states, out, rank, rows, bridge, dtype):
+        self.args, self.states, self.out, self.rank, self.rows, self.bridge, self.dtype = \
+            args, states, out, rank, rows, bridge, dtype
         self.url = None
 
     def __enter__(self):
         if self.rank == 0:
             build_bridge(self.rows, self.bridge)
         wait_for_bridge(self.bridge)
-        failed = {int(i) for i in self.ext.get("failures", {})}  # no file: stage 02 could not extract them
-        install_checked(CheckedFiles(os.path.abspath(self.args.hidden_states), len(self.ext["layer_ids"]),
-                                     self.ext["verifier"]["hidden_size"], os.path.join(self.out, "logs", files.SKIPPED),
-                                     len(self.rows), self.dtype, failed))
+        install_checked(CheckedFiles(os.path.abspath(self.args.hidden_states), len(self.states.layer_ids),
+                                     self.states.hidden_size, os.path.join(self.out, "logs", files.SKIPPED),
+                                     len(self.rows), self.dtype, set(self.states.failed)))
         return self
 
     def __exit__(self, *exc):

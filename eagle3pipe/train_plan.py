@@ -181,7 +181,7 @@ SETTINGS = ("num_layers", "ttt_steps", "total_seq_len", "lr", "warmup_steps", "v
 def run_identity(s, prep, ext, voc, recipe, dtype):
     """What makes two runs the same: the inputs' content ids, the sizes, the optimizer's settings, the split, the
     draft's recipe (training.recipe, resolved) and the compute dtype `dtype` (compute.resolve(...).dtype)."""
-    return {"prepared": prep["content_id"], "extract": ext["content_id"], "vocab": voc["content_id"],
+    return {"prepared": prep["content_id"], "extract": ext.content_id, "vocab": voc["content_id"],
             **{k: getattr(s, k) for k in SETTINGS}, "dtype": dtype, "recipe": dict(recipe),
             # only when given: runs recorded before the flag existed trained on every row and resume as they were
             **({"num_samples": s.num_samples} if s.num_samples is not None else {})}
@@ -251,7 +251,7 @@ class Plan:
     recipe: dict
     inputs: list
     prep: dict
-    ext: dict
+    ext: object  # train_data.States: stage 02's folder or the online engine's states
     voc: dict
     rows: list
     failed: set
@@ -262,7 +262,7 @@ class Plan:
 
     @property
     def aux(self):
-        return self.ext["layer_ids"][:-1]  # the draft's inputs; the last id (n) is the verifier's last hidden state
+        return self.ext.aux  # the draft's inputs; the last id (n) is the verifier's last hidden state
 
     @property
     def draft_vocab(self):
@@ -295,7 +295,7 @@ def plan(s, rank):
     draft_vocab = voc["counts"]["draft_vocab_size"]
     training.check_draft_memory(s.num_layers, tc, draft_vocab, device.on_gpu)
     dtype = compute.resolve(s.dtype, device.on_gpu)
-    check_sizes(s, tc, rows, len(ext["layer_ids"]), draft_vocab, device, dtype.dtype)
+    check_sizes(s, tc, rows, len(ext.layer_ids), draft_vocab, device, dtype.dtype)
     if rank == 0:
         check_disk(s, tc, draft_vocab, sum(len(r[0]) for r in rows))
     # the engine, its GPUs and port

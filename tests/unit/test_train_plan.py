@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import load_script
-from eagle3pipe import compute, files, input_watch, train_plan
+from eagle3pipe import compute, files, input_watch, train_data, train_plan
 from eagle3pipe.errors import RunError, UsageError
 
 SMOL = {"hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
@@ -37,7 +37,7 @@ def test_a_different_run_is_named_setting_by_setting(tmp_path):
     out = tmp_path / "ck"
     out.mkdir()
     s = settings("--output-dir", str(out), "--lr", "2e-3")
-    prep, ext, voc = {"content_id": "p1"}, {"content_id": "e1"}, {"content_id": "v1"}
+    prep, ext, voc = {"content_id": "p1"}, train_data.States((2, 4), 8, "bf16", "e1"), {"content_id": "v1"}
     recipe = {"draft_arch": "llama", "scheduler_type": "linear"}
     same = train_plan.run_identity(s, prep, ext, voc, recipe, "bfloat16")
     (out / files.RUN_FILE).write_text(json.dumps({"stage": "train", "identity": same, "epochs": 10, "max_steps": None}))
@@ -46,7 +46,7 @@ def test_a_different_run_is_named_setting_by_setting(tmp_path):
     auto = settings("--output-dir", str(out), "--lr", "2e-3", "--dtype", "auto")
     assert train_plan.check_resume(auto, train_plan.run_identity(
         auto, prep, ext, voc, recipe, compute.resolve("auto", on_gpu=True).dtype))["identity"] == same
-    other = train_plan.run_identity(settings("--output-dir", str(out), "--seed", "4"), prep, {"content_id": "e2"}, voc,
+    other = train_plan.run_identity(settings("--output-dir", str(out), "--seed", "4"), prep, train_data.States((2, 4), 8, "bf16", "e2"), voc,
                                     {**recipe, "scheduler_type": "cosine"}, "bfloat16")
     with pytest.raises(UsageError) as e:
         train_plan.check_resume(s, other)
