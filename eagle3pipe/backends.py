@@ -26,7 +26,7 @@ def opened(args, plan, out):
     preflight.Plan), for the `with` block. vLLM writes through its connector into a spool this process makes,
     `<out>/.incoming/<pid>`; once the block ends normally, what the engine left there goes, and the spool with it."""
     from . import outdir
-    from .engine import clear_spool
+    from .spool import clear_spool
     from .extract_output import INCOMING, engine_log
     t_load, staging = time.time(), None
     if engines.kind(args.backend) is engines.VLLM:

@@ -179,12 +179,20 @@ def visible_gpus():
     return [(name, total) for _, name, total in gpus]
 
 
-def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader):
+def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader, quant=None):
     """The extraction engine's rules, the same for stage 02 and stage 04 --online, before anything loads: our CPU
     connector adapts vLLM's (its private names must be in the installed vLLM), tensor parallel divides the heads
     (the KV heads may also be fewer than TP and divide it: vLLM replicates them), and vLLM on a GPU does not compute
     in float32 (its connector stores the states in the compute dtype; `reader` reads bf16). `tp_words`: how the
-    operator chose TP, for the error line; `kind`: engines.kind(--backend)."""
+    operator chose TP, for the error line; `kind`: engines.kind(--backend). `quant` (quantization.read): a quantized
+    verifier an engine that keeps it packed has no kernel for here is refused, naming why."""
+    if quant and kind.keeps_quantized:
+        from .quantization import vllm_kernel
+        ok, why = vllm_kernel(quant, bool(gpus), "amx_tile" in cpu_flags())
+        if not ok:
+            raise UsageError(f"--backend {kind.name}: the verifier is {quant.describe()}, and {why}; use --backend "
+                             f"hf (transformers decompresses them: {quant.dequantized_bytes / 2**30:.2f} GiB in bf16) "
+                             f"or a GPU machine")
     if not kind.connector:
         return
     if not gpus:

@@ -99,7 +99,8 @@ def split_heads(tp, cfg):
 
 
 def check_run(args, fp, text_cfg, gpus):
-    """The flags that do not depend on the prompts, against the verifier and the device."""
+    """The flags that do not depend on the prompts, against the verifier and the device (a quantized verifier the
+    installed vLLM has no kernel for here included)."""
     maxpos = fp.get("max_position_embeddings")
     k, new = args.num_speculative_tokens, args.max_new_tokens
     if _int(maxpos) and maxpos > 0 and new + k + 1 > maxpos:
@@ -110,6 +111,12 @@ def check_run(args, fp, text_cfg, gpus):
     bad = split_heads(args.tp_size, text_cfg)
     if bad:
         raise UsageError(f"--tp-size {args.tp_size}: must divide the verifier's {bad[0]} ({bad[1]})")
+    from . import compute, quantization, verifier
+    quant = quantization.read(args.model_path, verifier.model_files(args.model_path)[0])
+    ok, why = quantization.vllm_kernel(quant, bool(gpus), "amx_tile" in compute.cpu_flags())
+    if not ok:  # vLLM would refuse it only after loading the verifier
+        raise UsageError(f"--model-path {args.model_path}: the verifier is {quant.describe()}, and {why}; run stage "
+                         f"05 on a GPU machine")
 
 
 def max_model_len(longest, args, maxpos):

@@ -25,7 +25,7 @@ from . import engines, lifeline, outdir
 from .adapters import VLLM_CPU_MLA_COMPILATION
 from .engine_log import engine_output, last_error, open_log  # noqa: F401 (the stages' and tests' names for them)
 from .errors import RunError
-from .spool import engine_lock, engine_made, remove_spool_file
+from .spool import remove_spool_file, wait_for_engine_file
 
 log = logging.getLogger("eagle3")
 
@@ -240,65 +240,6 @@ def serve_command(model_path, draft, k, elsewhere=False, text_cfg=None):
     return (f"VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-{n - 1} VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
             f"{shlex.quote(sys.executable)} -m {server_module()} --model "
             f"{shlex.quote(model_path)} --enforce-eager{comp} --speculative-config {spec}")
-
-
-def wait_for_engine_file(path, spool, timeout=600):
-    """Return True once the engine's writer thread has finished `path` (it holds `path`.lock until then, and a dead
-    engine's lock is released with it), or False at once if `path` is not a file inside `spool`: nothing outside it
-    is read, waited on or deleted. The lock is then deleted if it is the engine's (spool.py): in a spool the stage
-    does not own, a lock beside anything but this run's engine file stays."""
-    import fcntl
-    if spool is None or not outdir.confined(spool, path):
-        return False
-    lock = path + ".lock"
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    try:
-        deadline = time.time() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.time() > deadline:
-                    raise RunError(f"{outdir.quote(path)}: the engine did not finish writing it in {timeout} s")
-                time.sleep(0.01)
-    finally:
-        os.close(fd)
-    if outdir.confined(spool, lock) and engine_lock(lock, foreign=not outdir.owned(spool)):
-        os.unlink(lock)
-    return True
-
-
-def engine_file(path):
-    """True if `path` is a regular file in the engine's own format: safetensors holding exactly `hidden_states` and
-    `token_ids` (what vLLM's connector, ours and hf_server.py write), or an empty `.safetensors.lock` beside one
-    (or beside nothing)."""
-    if path.endswith(".safetensors.lock"):
-        return engine_lock(path, beside_nothing=True)
-    return engine_made(path)
-
-
-def clear_spool(spool):
-    """In a spool folder this stage made for an engine it ran (a process since gone): delete what that engine wrote
-    there, told by its format (engine_file), never by name alone; anything else, a file it was cutting short
-    included, stays and is named. A folder the stage does not own (a shared --engine-spool) is never cleared: there
-    only the files the engine handed back to this run are deleted, one by one. -> the entries left."""
-    if not outdir.owned(spool):
-        return sorted(os.listdir(spool)) if os.path.isdir(spool) else []
-    for name in sorted(os.listdir(spool), key=lambda n: n.endswith(".lock")):  # files first, then their locks
-        path = os.path.join(spool, name)
-        if engine_file(path):
-            remove_spool_file(spool, path)
-    left = sorted(os.listdir(spool))
-    if left:
-        log.warning(f"{outdir.quote(spool)}: kept {len(left)} entries that are not an engine's finished files "
-                    f"(e.g. {outdir.quote(left[0])}); delete them once checked")
-    return left
 
 
 def get_json(url, timeout):

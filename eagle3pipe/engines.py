@@ -12,6 +12,7 @@ class VLLM:
     cpu_kv_cache_reserved = True     # vLLM-CPU reserves its KV cache up front (VLLM_CPU_KVCACHE_SPACE)
     connector = True                 # states leave through vLLM's hidden-states connector (our CPU one on a CPU)
     background_writer_on_cpu = True  # the connector's files are rewritten in the background, next to the engine
+    keeps_quantized = True           # quantized weights stay packed and run on vLLM's kernels for them
     server = None                    # --online: vLLM's own OpenAI-compatible server (engine.server_module)
 
 
@@ -23,6 +24,7 @@ class HF:
     cpu_kv_cache_reserved = False
     connector = False
     background_writer_on_cpu = False
+    keeps_quantized = False          # transformers decompresses compressed-tensors int4 experts to bf16 as it loads
     server = "eagle3pipe.hf_server"  # --online: the same two API calls, answered with transformers
 
 

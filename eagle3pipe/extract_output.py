@@ -5,7 +5,7 @@ import os
 import time
 
 from . import faults, files, outdir, verifier
-from .engine import clear_spool
+from .spool import clear_spool
 from .errors import UsageError
 
 log = logging.getLogger("eagle3")

@@ -45,12 +45,18 @@ def load_tokenizer(model_path, trust_remote_code=False):
         else:  # a hub id: its files may still have to come over the network
             tok = call(AutoTokenizer.from_pretrained, hub_seconds(), f"--model-path {model_path}: the tokenizer from "
                        f"the hub", model_path, trust_remote_code=trust_remote_code)
-    except ValueError as e:
+    except UsageError:
+        raise
+    except Exception as e:
         # transformers refuses custom code without the opt-in in a multi-line message: say it in one line
-        if "trust_remote_code" not in str(e):
-            raise
-        raise UsageError(f"--model-path {model_path}: the tokenizer ships its own code, which runs only with "
-                         f"--trust-remote-code; rerun with that flag if you trust that code")
+        if isinstance(e, ValueError) and "trust_remote_code" in str(e):
+            raise UsageError(f"--model-path {model_path}: the tokenizer ships its own code, which runs only with "
+                             f"--trust-remote-code; rerun with that flag if you trust that code")
+        if isinstance(e, (OSError, ImportError)) and not os.path.isdir(model_path):
+            raise  # the hub's or the network's failure: its own one line (cli.run)
+        # the tokenizer's own code (or its files) failed as it loaded: the verifier's fault, not a run's
+        cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UsageError(f"--model-path {model_path}: its tokenizer failed to load: {type(e).__name__}: {cause}")
     if not getattr(tok, "chat_template", None):
         raise UsageError(f"--model-path {model_path}: the tokenizer has no chat template")
     return tok

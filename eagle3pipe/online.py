@@ -26,6 +26,7 @@ import os
 import sys
 
 from . import engine, online_plan, outdir, sample_cache, train_data
+from .spool import clear_spool
 
 log = logging.getLogger("eagle3")
 
@@ -60,7 +61,7 @@ class Session:
         if self.server:
             self.server.stop()
         if self.spool and not self.plan.spool:  # ours: what the stopped engine left in flight goes, then the folder
-            engine.clear_spool(self.spool)
+            clear_spool(self.spool)
             outdir.remove(self.spool)
 
     def loaders(self):

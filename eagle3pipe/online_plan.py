@@ -5,7 +5,7 @@ import os
 import socket
 from typing import Optional
 
-from . import compute, engines
+from . import compute, engines, quantization, verifier
 from .compute import available_ram
 from .compute import visible_gpus
 from .engine import get_json
@@ -139,10 +139,13 @@ def plan(s, fp, text_cfg, longest, layer_ids):
     shared = bool(engine_gpus) and set(engine_gpus) == set(trainer_gpus)
     dtype = compute.resolve(s.dtype, bool(gpus))
     tp = max(1, len(engine_gpus))
-    compute.check_engine(engines.kind(s.backend), tp, f"--engine-gpus: {tp} GPUs as tensor parallel", text_cfg, gpus, dtype.dtype,
-                         "the trainer reads bf16")
-    memory = check_engine(s, text_cfg, compute.loaded_weights_bytes(weights_bytes(s.model_path), fp.get("torch_dtype"),
-                          dtype.dtype), gpus, engine_gpus, shared)
+    kind = engines.kind(s.backend)
+    quant = quantization.read(s.model_path, verifier.model_files(s.model_path)[0])
+    compute.check_engine(kind, tp, f"--engine-gpus: {tp} GPUs as tensor parallel", text_cfg, gpus, dtype.dtype,
+                         "the trainer reads bf16", quant)
+    stored = quant.dequantized_bytes if quant and not kind.keeps_quantized else weights_bytes(s.model_path)
+    memory = check_engine(s, text_cfg, compute.loaded_weights_bytes(stored, fp.get("torch_dtype"), dtype.dtype), gpus,
+                          engine_gpus, shared)
     port = free_port("--engine-port", s.engine_port)
     return OnlinePlan(address=None, port=port, engine_cvd=physical(engine_gpus) if gpus else None,
                 trainer_cvd=physical(trainer_gpus) if gpus and not shared else None,

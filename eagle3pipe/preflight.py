@@ -18,7 +18,7 @@ import os
 import shutil
 from typing import Optional
 
-from . import compute, engines
+from . import compute, engines, quantization
 from .errors import UsageError
 from .compute import available_ram
 from .compute import visible_gpus
@@ -47,6 +47,7 @@ class Plan:
     device: str
     compute: compute.Compute    # the dtype the verifier computes in, and why
     warning: Optional[str]
+    quantization: Optional[str] = None  # what a quantized verifier is, its size per GPU, the kernel that runs it
 
     @property
     def n_states(self):
@@ -172,8 +173,9 @@ def plan(args):
     gpus = visible_gpus()
     dtype = compute.resolve(args.dtype, bool(gpus))
     kind = engines.kind(args.backend)
+    quant = quantization.read(args.model_path, verifier.model_files(args.model_path)[0])
     compute.check_engine(kind, args.tp_size, f"--tp-size {args.tp_size}", fp, gpus, dtype.dtype,
-                         "stage 02's files are bf16")
+                         "stage 02's files are bf16", quant)
     if kind.tensor_parallel:
         if gpus and args.tp_size > len(gpus):
             raise UsageError(f"--tp-size {args.tp_size}: only {len(gpus)} GPU(s) visible "
@@ -202,7 +204,8 @@ def plan(args):
     if disk_need - have > free:
         raise UsageError(f"--output-dir {args.output_dir}: needs about {(disk_need - have) / 1e9:.2f} GB more, "
                          f"{free / 1e9:.2f} GB free")
-    weights = compute.loaded_weights_bytes(weights_bytes(args.model_path), fp.get("torch_dtype"), dtype.dtype)
+    stored = quant.dequantized_bytes if quant and not kind.keeps_quantized else weights_bytes(args.model_path)
+    weights = compute.loaded_weights_bytes(stored, fp.get("torch_dtype"), dtype.dtype)
     note = f" ({log_warn.split(': ', 1)[1]})" if log_warn and args.batch_size > rows else ""
     avail, per_tok, worst = check_memory(args, tc, n_states, weights, gpus, rows, counts["max_row_tokens"], note,
                                          compute.value_bytes(dtype.dtype))
@@ -211,7 +214,21 @@ def plan(args):
                 rows=rows, tokens=counts["tokens"], batches_at_most=batches, disk_bytes=disk_need,
                 disk_per_token=disk_per_token, disk_free_bytes=free, weights_bytes=weights, bytes_per_token=per_tok,
                 worst_batch_tokens=worst, memory_available_bytes=avail, gpus=len(gpus),
-                device=f"{len(gpus)} GPU(s): {gpus[0][0]}" if gpus else "CPU", compute=dtype, warning=log_warn)
+                device=f"{len(gpus)} GPU(s): {gpus[0][0]}" if gpus else "CPU", compute=dtype, warning=log_warn,
+                quantization=quant_line(quant, kind, args.tp_size, bool(gpus)))
+
+
+def quant_line(q, kind, tp, on_gpu):
+    """The plan's line for a quantized verifier: what, the weights' real size per GPU, and what runs it here."""
+    if q is None:
+        return None
+    if not kind.keeps_quantized:
+        return (f"{q.describe()}; {q.stored_bytes / 1e9:.2f} GB as stored, decompressed by transformers to "
+                f"{q.dequantized_bytes / 1e9:.2f} GB in bf16")
+    from .compute import cpu_flags
+    _, runs = quantization.vllm_kernel(q, on_gpu, "amx_tile" in cpu_flags())
+    return (f"{q.describe()}; {q.stored_bytes / 1e9:.2f} GB as stored, {q.stored_bytes / max(tp, 1) / 2**30:.2f} GiB "
+            f"per GPU at TP {tp}; here: {runs}")
 
 
 def format_plan(p):
@@ -220,6 +237,7 @@ def format_plan(p):
         f"plan: {p.rows:,} samples, {p.tokens:,} tokens, up to {p.batches_at_most:,} batches",
         f"  {p.compute.describe()}",
         f"  layer ids: {p.layer_ids} (auxiliary, then id {p.layer_ids[-1]} = last layer before the final norm)",
+        *([f"  quantization: {p.quantization}"] if p.quantization else []),
         f"  disk: {p.disk_bytes / 1e9:.2f} GB to write ({p.disk_per_token:,} B/token), {p.disk_free_bytes / 1e9:.1f} GB free",
         f"  memory: weights {(p.weights_bytes or 0) / gib:.2f} GiB; worst batch {p.worst_batch_tokens:,} tokens x "
         f"~{p.bytes_per_token:,} B = {p.worst_batch_tokens * p.bytes_per_token / gib:.2f} GiB of "

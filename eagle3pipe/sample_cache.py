@@ -11,7 +11,8 @@ import time
 
 from . import outdir
 from .files import SKIPPED
-from .engine import clear_spool, parent_death_signal, wait_for_engine_file
+from .engine import parent_death_signal
+from .spool import clear_spool, wait_for_engine_file
 from .spool import remove_spool_file
 from .errors import RunError
 
@@ -285,7 +286,7 @@ def prepare(out, p):
     """Rank 0, before the engine starts and before the other ranks read anything: the spool emptied of engine files
     (it holds only files in flight: a killed run's are stale; anything else there stays), the cache recounted, logs/
     made. -> the folder the engine writes to. For an engine stage 04 starts: `.online/<pid>`, fresh (what engines
-    of dead runs left in theirs goes, told by its format: engine.clear_spool). An --engine-spool is never cleared:
+    of dead runs left in theirs goes, told by its format: spool.clear_spool). An --engine-spool is never cleared:
     only the files that engine hands back are deleted, once read."""
     if p.spool:
         spool = p.spool

@@ -11,13 +11,18 @@ process made them. So a file is deleted only if everything about it says it is s
   with people), also made after this process started (its status change time, which no tool sets back, with `SKEW`
   seconds for a file server's clock): a file that was there before the run, whatever its name or format, is never
   this run's.
-Nothing here deletes but remove_spool_file, by these rules (engine.clear_spool empties a spool through it).
+Nothing here deletes but remove_spool_file, by these rules (clear_spool empties a spool through it); the stage waits
+for an engine's file with wait_for_engine_file.
 """
 import logging
 import os
 import stat
+import time
 
 from . import outdir
+from .errors import RunError
+
+log = logging.getLogger("eagle3")
 
 SKEW = 1.0  # seconds a shared filesystem's clock may lag this machine's (NTP keeps them far closer); a file kept
             # for its age is named in a warning (it is left, never lost)
@@ -106,3 +111,62 @@ def remove_spool_file(spool, path):
     if lock and os.path.lexists(lock):
         os.unlink(lock)
     return True
+
+
+def wait_for_engine_file(path, spool, timeout=600):
+    """Return True once the engine's writer thread has finished `path` (it holds `path`.lock until then, and a dead
+    engine's lock is released with it), or False at once if `path` is not a file inside `spool`: nothing outside it
+    is read, waited on or deleted. The lock is then deleted if it is the engine's (spool.py): in a spool the stage
+    does not own, a lock beside anything but this run's engine file stays."""
+    import fcntl
+    if spool is None or not outdir.confined(spool, path):
+        return False
+    lock = path + ".lock"
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.time() > deadline:
+                    raise RunError(f"{outdir.quote(path)}: the engine did not finish writing it in {timeout} s")
+                time.sleep(0.01)
+    finally:
+        os.close(fd)
+    if outdir.confined(spool, lock) and engine_lock(lock, foreign=not outdir.owned(spool)):
+        os.unlink(lock)
+    return True
+
+
+def engine_file(path):
+    """True if `path` is a regular file in the engine's own format: safetensors holding exactly `hidden_states` and
+    `token_ids` (what vLLM's connector, ours and hf_server.py write), or an empty `.safetensors.lock` beside one
+    (or beside nothing)."""
+    if path.endswith(".safetensors.lock"):
+        return engine_lock(path, beside_nothing=True)
+    return engine_made(path)
+
+
+def clear_spool(spool):
+    """In a spool folder this stage made for an engine it ran (a process since gone): delete what that engine wrote
+    there, told by its format (engine_file), never by name alone; anything else, a file it was cutting short
+    included, stays and is named. A folder the stage does not own (a shared --engine-spool) is never cleared: there
+    only the files the engine handed back to this run are deleted, one by one. -> the entries left."""
+    if not outdir.owned(spool):
+        return sorted(os.listdir(spool)) if os.path.isdir(spool) else []
+    for name in sorted(os.listdir(spool), key=lambda n: n.endswith(".lock")):  # files first, then their locks
+        path = os.path.join(spool, name)
+        if engine_file(path):
+            remove_spool_file(spool, path)
+    left = sorted(os.listdir(spool))
+    if left:
+        log.warning(f"{outdir.quote(spool)}: kept {len(left)} entries that are not an engine's finished files "
+                    f"(e.g. {outdir.quote(left[0])}); delete them once checked")
+    return left

@@ -7,7 +7,6 @@ stored after them.
 """
 import glob
 import hashlib
-import json
 import os
 import re
 import threading
@@ -288,20 +287,8 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 def _tensor_dtypes(model_path):
     """{tensor name: safetensors dtype} of a local checkpoint, from its index and shard headers (no torch)."""
-    import struct
-    index = os.path.join(model_path, "model.safetensors.index.json")
-    shards = sorted(set(read_json(index).get("weight_map", {}).values())) if os.path.isfile(index) else \
-        [n for n in os.listdir(model_path) if n.endswith(".safetensors")]
-    dtypes = {}
-    for shard in shards:
-        try:
-            with open(os.path.join(model_path, shard), "rb") as f:
-                n = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(n))
-        except (OSError, ValueError, struct.error) as e:
-            raise UsageError(f"--model-path {model_path}: {shard} is not a readable safetensors file ({e})")
-        dtypes.update({k: v.get("dtype") for k, v in header.items() if isinstance(v, dict)})
-    return dtypes
+    from .quantization import tensor_table
+    return {k: v[0] for k, v in tensor_table(model_path).items()}
 
 
 def _find(dtypes, suffix):

@@ -1,7 +1,8 @@
 """Small random verifiers of the architecture classes the pipeline is for, made from transformers' own configs (no
 download): DeepSeek-V3 (MLA attention with DeepSeek's real widths, a mixture of experts with `noaux_tc` routing), and
-the multimodal wrapper shape whose language model's config sits under `text_config`. They reuse the embedded
-SmolLM2's tokenizer, so stage 01 and the held-out prompts work unchanged."""
+the multimodal wrapper shape whose language model's config sits under `text_config`, and Kimi-K2.5's format as it
+ships (INT4 routed experts, a tokenizer that needs remote code). They reuse the embedded SmolLM2's tokenizer, so
+stage 01 and the held-out prompts work unchanged."""
 import json
 import os
 import shutil
@@ -64,3 +65,81 @@ def wrapped_text_config(out, inner):
         json.dump(wrapper, f, indent=2)
     return out
 
+
+
+# Kimi-K2.5's quantization_config as it ships (under its text_config): INT4, symmetric, groups of 32, by
+# compressed-tensors' pack-quantized format; attention, shared experts, the dense MLPs and the head stay bf16
+KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
+ROUTED_EXPERT = r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"
+
+
+def int4_experts(out, src, group=32, nest=False):
+    """`src` (a saved DeepSeek-V3: deepseek_v3()) with its routed experts quantized as Kimi-K2.5 ships them, by
+    compressed-tensors' own pack-quantized compressor (its min-max scales), everything else kept bf16, and a tokenizer
+    that needs remote code (a local class beside the weights, as Kimi's tiktoken one is). nest: the config as
+    Kimi-K2.5 nests it, its text model and quantization_config under `text_config` of a kimi_k25 wrapper (the
+    tensors keep the text model's names). -> out."""
+    import re
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+    os.makedirs(out, exist_ok=True)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group,
+                            dynamic=False, observer="minmax")
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized", ignore=KIMI_IGNORE,
+                              quantization_status="compressed")
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    tensors = {}
+    for name, w in load_file(os.path.join(src, "model.safetensors")).items():
+        if not re.match(ROUTED_EXPERT, name):
+            tensors[name] = w
+            continue
+        g = w.float().unflatten(-1, (-1, group))  # [out, in / group, group]
+        scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), args)
+        module = name[:-len(".weight")]
+        for part, t in compressor.compress({"weight": w, "weight_scale": scale.to(torch.bfloat16)}, scheme).items():
+            tensors[f"{module}.{part}"] = (t.to(torch.int32) if part == "weight_shape" else t).contiguous()
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors",
+                                  **qcfg.model_dump(exclude={"quant_method"}, mode="json")}
+    if nest:
+        cfg = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": cfg,
+               "vision_config": {"hidden_size": 64}, "media_placeholder_token_id": 1}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    remote_code_tokenizer(out, src)
+    return out
+
+
+TOKENIZER_CODE = '''from transformers import PreTrainedTokenizerFast
+
+
+class KimiLikeTokenizer(PreTrainedTokenizerFast):
+    """A tokenizer class shipped beside the weights, as Kimi-K2.5's tiktoken one is: loads only with remote code."""
+    RAISE = False
+
+    def __init__(self, *args, **kwargs):
+        if self.RAISE:
+            raise RuntimeError("tiktoken.model: bad rank file")
+        super().__init__(*args, **kwargs)
+'''
+
+
+def remote_code_tokenizer(out, src, raises=False):
+    """`src`'s tokenizer files in `out`, its tokenizer_config.json naming a class in `out` (auto_map), as a model
+    whose tokenizer needs trust_remote_code ships it; raises: the class raises when it loads."""
+    _tokenizer(src, out)
+    with open(os.path.join(out, "tokenization_kimi_like.py"), "w") as f:
+        f.write(TOKENIZER_CODE.replace("RAISE = False", f"RAISE = {raises}"))
+    path = os.path.join(out, "tokenizer_config.json")
+    with open(path) as f:
+        tok = json.load(f)
+    tok.update(tokenizer_class="KimiLikeTokenizer",
+               auto_map={"AutoTokenizer": [None, "tokenization_kimi_like.KimiLikeTokenizer"]})
+    with open(path, "w") as f:
+        json.dump(tok, f, indent=2)

@@ -13,8 +13,8 @@ from eagle3pipe.hidden_states import save
 STAGE = """
 import os, sys, torch
 sys.path.insert(0, {repo!r})
-from eagle3pipe import engine, outdir
-from eagle3pipe.spool import remove_spool_file
+from eagle3pipe import outdir
+from eagle3pipe.spool import clear_spool, remove_spool_file, wait_for_engine_file
 from eagle3pipe.hidden_states import save
 spool = sys.argv[1]
 states = {{"hidden_states": torch.zeros(3, 2, 4, dtype=torch.bfloat16), "token_ids": torch.tensor([1, 2, 3])}}
@@ -24,9 +24,9 @@ save(mine, states)
 open(mine + ".lock", "w").close()
 for name in ("req-7.safetensors", "important.safetensors", "old-states.safetensors", "notes.txt"):
     path = os.path.join(spool, name)  # an engine's answer, honest or not
-    if engine.wait_for_engine_file(path, spool):
+    if wait_for_engine_file(path, spool):
         remove_spool_file(spool, path)
-print(engine.clear_spool(spool))
+print(clear_spool(spool))
 """
 
 

@@ -436,7 +436,7 @@ def test_only_an_engine_s_finished_files_are_cleared_from_a_spool(tmp_path):
     """A spool the stage made: the engine's files, told by their format, go; a person's file of the same suffix, a
     half-written one and anything else stay. A folder the stage did not make is never cleared."""
     import torch
-    from eagle3pipe import engine
+    from eagle3pipe import spool as engine_spool
     from eagle3pipe.hidden_states import save
     d = tmp_path / "out"
     _claim(d, "train")
@@ -447,12 +447,12 @@ def test_only_an_engine_s_finished_files_are_cleared_from_a_spool(tmp_path):
     save(os.path.join(spool, "my_backup.safetensors"), {"weights": torch.zeros(2)})
     with open(os.path.join(spool, "req-2.safetensors"), "wb") as f:
         f.write(b"\x10\0\0\0\0\0\0\0{")  # cut short mid-write
-    left = engine.clear_spool(spool)
+    left = engine_spool.clear_spool(spool)
     assert left == ["my_backup.safetensors", "req-2.safetensors"] == sorted(os.listdir(spool))
     foreign = tmp_path / "engine-spool"
     foreign.mkdir()
     save(str(foreign / "hs_0.safetensors"), states)  # a stage 02 file, in a folder this stage did not make
-    engine.clear_spool(str(foreign))
+    engine_spool.clear_spool(str(foreign))
     assert os.listdir(foreign) == ["hs_0.safetensors"]
 
 
