@@ -142,6 +142,41 @@ def loaded_weights_bytes(stored_bytes, torch_dtype, dtype):
     return stored_bytes * value_bytes(dtype) // per
 
 
+# dense bf16 matmul peak per device, FLOP/s (the vendors' figures without sparsity): what MFU is a fraction of
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "B200": 2250e12, "B300": 2250e12,
+             "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "A10": 125e12, "L4": 121e12}
+
+
+def peak_flops(device_name, dtype):
+    """The device's dense peak for `dtype`, or None where unknown (a CPU, float32, a GPU not in PEAK_BF16)."""
+    if dtype not in ("bfloat16", "float16") or not device_name:
+        return None
+    words = device_name.upper().replace("-", " ").split()
+    hits = [k for k in PEAK_BF16 if any(w.startswith(k) for w in words)]  # the longest: A100 before A10
+    return PEAK_BF16[max(hits, key=len)] if hits else None
+
+
+def draft_flops_per_token(named_params, ttt_steps):
+    """Model FLOPs a trained token costs in an EAGLE-3 draft step, from its parameters' names and shapes
+    (`named_params`: (name, shape, trainable)). A matrix costs 2 FLOP a weight forward, 2 more for the gradient of
+    its input and 2 for its own when trained: the FC runs once (its input needs no gradient), the decoder layers and
+    the draft head once per TTT step (speculators 0.9 freezes the head, but the gradient passes through it), the
+    verifier's head forward only, once (the targets). The embedding is a lookup. Attention's scores, which grow with
+    the sequence, are left out, as MFU figures usually leave them."""
+    once = per_step = 0
+    for name, shape, trainable in named_params:
+        if len(shape) != 2 or "embed_tokens" in name:
+            continue
+        n = shape[0] * shape[1]
+        if "verifier" in name:
+            once += 2 * n
+        elif name.startswith("fc.") or ".fc." in name:
+            once += (6 if trainable else 2) * n
+        else:
+            per_step += (6 if trainable else 4) * n
+    return once + ttt_steps * per_step
+
+
 if __name__ == "__main__":  # `python -m eagle3pipe.compute`: what auto chooses on this machine
     print(for_cpu_or_gpu("auto").describe())
 

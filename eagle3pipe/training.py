@@ -87,6 +87,7 @@ class DenseLog(logging.Handler):
         self.estimated = False
         self.fetch_ms = self.step_ms = 0.0  # the time the step waited for its batch, summed over the logged steps
         self.jsonl = jsonl  # every metric record, one JSON line each: stage 05 plots the training curves
+        self.flops_per_token = self.peak = None  # set once the model exists (PipelineTrainer.setup_model)
 
     def emit(self, record):
         msg = record.msg
@@ -122,8 +123,28 @@ class DenseLog(logging.Handler):
         lr = lr if isinstance(lr, (int, float)) else next(iter(lr.values()), 0) if isinstance(lr, dict) else 0
         total = f"/{self.total}" if self.total else ""
         log.info(f"step {step}{total} epoch {msg.get('epoch', 0)} loss {m.get('loss', float('nan')):.4f} "
-                 f"acc[{acc}] lr {lr:.2e} {prof.get('tokens_per_s', 0):,.0f} tok/s data wait "
-                 f"{prof.get('fetch_frac', 0):.0%}{eta}")
+                 f"acc[{acc}] lr {lr:.2e} {prof.get('tokens_per_s', 0):,.0f} tok/s{self.utilization(prof)} data "
+                 f"wait {prof.get('fetch_frac', 0):.0%}{eta}")
+
+    def utilization(self, prof):
+        """` 41.2 TFLOP/s MFU 4.2%`: the model FLOPs the step's tokens cost per second, and their fraction of the
+        device's dense peak where it is known: an operator sees whether the GPU or the data is the limit."""
+        if not self.flops_per_token:
+            return ""
+        done = prof.get("tokens_per_s", 0) * self.flops_per_token
+        return f" {done / 1e12:.2f} TFLOP/s" + (f" MFU {done / self.peak:.1%}" if self.peak else "")
+
+    def count_flops(self, model, ttt_steps, device_name, dtype):
+        """Once the model exists: its FLOPs a token (compute.draft_flops_per_token) and the device's peak, said once."""
+        from .compute import draft_flops_per_token, peak_flops
+        params = [(n, tuple(p.shape), p.requires_grad) for n, p in getattr(model, "module", model).named_parameters()]
+        if any("flat_param" in n for n, _, _ in params):  # FSDP1's flattened parameters keep no shapes
+            return
+        self.flops_per_token, self.peak = draft_flops_per_token(params, ttt_steps), peak_flops(device_name, dtype)
+        where = (f"of a {self.peak / 1e12:.0f} TFLOP/s peak ({device_name}, {dtype} dense)" if self.peak else
+                 f"(no known peak for {device_name or 'a CPU'} in {dtype}: no MFU)")
+        log.info(f"model FLOPs: {self.flops_per_token / 1e9:.3f} GFLOP a trained token ({ttt_steps} TTT steps, "
+                 f"forward and backward; attention scores not counted); the dense log shows TFLOP/s and MFU {where}")
 
     @property
     def wait_fraction(self):
@@ -189,7 +210,7 @@ def acknowledged_signals(again_after=2.0):
             signal.signal(s, h)
 
 
-def make_trainer_class(dense_log, on_cpu, max_steps, measure=None):
+def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, dtype="bfloat16"):
     from speculators.train.trainer import Trainer
 
     class PipelineTrainer(Trainer):
@@ -203,6 +224,8 @@ def make_trainer_class(dense_log, on_cpu, max_steps, measure=None):
                 self.val_loader = BatchGuard(self.val_loader, "validation")
             steps = len(self.train_loader) * self.config.num_epochs
             dense_log.total = min(steps, max_steps) if max_steps else steps
+            import torch
+            dense_log.count_flops(self.model, ttt_steps, None if on_cpu else torch.cuda.get_device_name(), dtype)
 
         def train_epoch(self, epoch, **kw):
             if max_steps and self.global_step >= max_steps:
@@ -344,7 +367,7 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None):
     if int(os.environ.get("RANK", "0")) == 0:
         os.close(outdir.open_append(os.path.join(logs, "metrics.jsonl")))  # refused now, not after an epoch
     dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"))
-    trainer_cls = make_trainer_class(dense, on_cpu, args.max_steps, measure)
+    trainer_cls = make_trainer_class(dense, on_cpu, args.max_steps, measure, args.ttt_steps, dtype)
     holder = {}
 
     class Recording(trainer_cls):

@@ -16,7 +16,20 @@ def test_training_lowers_the_loss_into_a_servable_checkpoint(trained, model_path
     first, last = sum(ls[:3]) / 3, sum(ls[-3:]) / 3
     assert last < 0.8 * first, (first, last)
     assert re.search(r"step \d+/\d+ epoch \d+ loss [0-9.]+ acc\[[0-9. ]+\] lr [0-9.e+-]+ [0-9,]+ tok/s "
-                     r"data wait \d+% ETA", p.stderr)
+                     r"[0-9.]+ TFLOP/s data wait \d+% ETA", p.stderr)  # no MFU on a CPU: no known peak
+    # the model FLOPs the log counts: 6 a weight for the FC once and the layer per TTT step (3), 4 for speculators'
+    # frozen draft head per step (the gradient passes through it), 2 for the verifier's head over the draft
+    # vocabulary (the targets, forward only)
+    from safetensors import safe_open
+    with safe_open(out / "last" / "model.safetensors", "pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    size = lambda keys: sum(shapes[k][0] * shapes[k][1] for k in keys if len(shapes[k]) == 2)  # noqa: E731
+    fc, head = size(k for k in shapes if k.startswith("fc.")), size(["lm_head.weight"])
+    layers = size(k for k in shapes if k.startswith("layers."))
+    want = 6 * fc + 3 * (6 * layers + 4 * head) + 2 * head
+    said = re.search(r"model FLOPs: ([0-9.]+) GFLOP a trained token \(3 TTT steps", p.stderr)
+    assert said and abs(float(said.group(1)) - want / 1e9) < 1e-3, (said and said.group(1), want)
+    assert "no known peak for a CPU" in p.stderr
     last_dir = out / "last"
     assert last_dir.is_symlink() and (last_dir / "config.json").exists()
     cfg = json.load(open(last_dir / "config.json"))

@@ -1,0 +1,74 @@
+"""Stage 04's MFU line: the model FLOPs a trained token costs, counted from the draft's parameters, and the fraction
+of the device's dense peak the run reaches, in the dense log (eagle3pipe/training.py DenseLog, compute.py)."""
+import logging
+
+from eagle3pipe import compute, training
+
+H, I, DV = 64, 128, 256  # hidden, intermediate, draft vocabulary
+DRAFT = [("embed_tokens.weight", (1000, H), False),  # a lookup, not a matmul
+         ("fc.weight", (H, 3 * H), True),
+         ("layers.0.self_attn.q_proj.weight", (H, 2 * H), True), ("layers.0.self_attn.o_proj.weight", (H, H), True),
+         ("layers.0.mlp.down_proj.weight", (H, I), True), ("layers.0.input_layernorm.weight", (2 * H,), True),
+         ("norm.weight", (H,), True), ("lm_head.weight", (DV, H), False),  # frozen, the gradient through it
+         ("verifier_lm_head.weight", (DV, H), False)]  # the targets: forward only
+
+
+def test_flops_count_the_fc_once_the_layer_and_head_per_ttt_step_and_the_targets_forward():
+    fc, layer, head = H * 3 * H, H * 2 * H + H * H + H * I, DV * H
+    # trained: 6 a weight; the frozen draft head: 4 (forward, and the gradient to its input); the targets: 2
+    assert compute.draft_flops_per_token(DRAFT, 3) == 6 * fc + 3 * (6 * layer + 4 * head) + 2 * head
+    assert compute.draft_flops_per_token(DRAFT, 5) - compute.draft_flops_per_token(DRAFT, 3) == 2 * (6 * layer + 4 * head)
+    trained_head = [(n, s, True if n == "lm_head.weight" else t) for n, s, t in DRAFT]
+    assert compute.draft_flops_per_token(trained_head, 3) - compute.draft_flops_per_token(DRAFT, 3) == 3 * 2 * head
+
+
+def test_the_peak_is_known_for_data_center_gpus_in_bf16_only():
+    assert compute.peak_flops("NVIDIA H200", "bfloat16") == 989e12
+    assert compute.peak_flops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312e12  # A100, not A10
+    assert compute.peak_flops("NVIDIA A10", "bfloat16") == 125e12
+    assert compute.peak_flops("NVIDIA H200", "float32") is None and compute.peak_flops(None, "bfloat16") is None
+    assert compute.peak_flops("Tesla T4", "bfloat16") is None
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_the_dense_line_carries_tflops_and_mfu_where_the_peak_is_known():
+    import torch
+    model = torch.nn.Module()
+    for name, shape, trainable in DRAFT:
+        *path, leaf = name.split(".")
+        owner = model
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape), requires_grad=trainable))
+    seen, logger = Lines(), logging.getLogger("eagle3")
+    level = logger.level
+    logger.addHandler(seen)
+    logger.setLevel(logging.INFO)
+    try:
+        dense = training.DenseLog(every=1, total_steps=2)
+        dense.count_flops(model, 3, "NVIDIA H200", "bfloat16")
+        per = compute.draft_flops_per_token(DRAFT, 3)
+        assert dense.flops_per_token == per and f"{per / 1e9:.3f} GFLOP a trained token" in seen.lines[-1]
+        assert "of a 989 TFLOP/s peak (NVIDIA H200, bfloat16 dense)" in seen.lines[-1]
+        tokens_per_s = 1e6
+        dense.emit(logging.makeLogRecord({"msg": {"train": {"loss": 1.0}, "global_step": 1, "epoch": 0,
+                                                  "profile": {"tokens_per_s": tokens_per_s, "fetch_frac": 0.02}}}))
+        done = tokens_per_s * per
+        assert f"1,000,000 tok/s {done / 1e12:.2f} TFLOP/s MFU {done / 989e12:.1%} data wait 2%" in seen.lines[-1]
+        cpu = training.DenseLog(every=1)
+        cpu.count_flops(model, 3, None, "float32")
+        assert "no known peak for a CPU in float32: no MFU" in seen.lines[-1] and cpu.peak is None
+        assert cpu.utilization({"tokens_per_s": 1e6}) == f" {done / 1e12:.2f} TFLOP/s"
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
