@@ -130,11 +130,13 @@ def train(a, py, w, model, prep, hs):
                              "--max-steps", str(a.train_steps), "--log-every", "5"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     last_line_at, lines = None, []
-    for line in proc.stdout:
-        lines.append(line)
-        last_line_at = time.time()
+    with open(f"{a.out}/k_04.log", "w") as log:  # as it comes: a call cut short still brings the log back
+        for line in proc.stdout:
+            lines.append(line)
+            log.write(line)
+            log.flush()
+            last_line_at = time.time()
     proc.wait()
-    open(f"{a.out}/k_04.log", "w").write("".join(lines))
     tr = {"returncode": proc.returncode, "wall_s": round(time.time() - t0, 1),
           "exit_after_last_line_s": round(time.time() - last_line_at, 1) if last_line_at else None,
           "loss_choice": [l.strip() for l in lines if "loss implementation" in l][:1],
