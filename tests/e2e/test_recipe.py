@@ -27,7 +27,7 @@ def test_every_lever_trains_and_stage05_ranks_the_checkpoints_through_vllm(model
         assert json.load(open(out / epoch / "val_metrics.json"))["expected_acceptance_length"] > 1
     assert man["best_expected_acceptance"] > 1 and os.path.islink(out / "checkpoint_best")
     # the same folder with another recipe is another run: refused, not resumed
-    p, secs = run_script(*train_args(model_path, stages, out, "--epochs", "2"))
+    p, secs = run_script(*train_args(model_path, stages, out, "--epochs", "2", "--lr", "1e-3"))
     assert_refused(p, secs, "holds a run with other settings", "--lr 0.003 -> 0.001", "--draft-arch qwen3 -> llama",
                    "--optimizer adamw -> muon", "--overwrite")
 
