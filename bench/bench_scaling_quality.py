@@ -2,6 +2,7 @@
 package's ShareGPT conversations, every epoch measured on held-out prompts by the acceptance measure without vLLM
 (eagle3pipe/acceptance.py) at k=3 and k=5, the best draft of each size confirmed through vLLM by stage 05.
 
+    python -m bench.bench_scaling_quality study   --work W --parallel 6  # all of the below, in order (GPU + vLLM)
     python -m bench.bench_scaling_quality prepare --work W [--vocab 16384,32768]  # stages 01 + 03 on all but the
                                                 # last 500 records, 200 held-out prompts from those (CPU)
     python -m bench.bench_scaling_quality carry   --work W --out D    # W's inputs in 30 MB parts (transfer limit)
@@ -250,7 +251,7 @@ def pack(w, runs, dst):
 def confirm(w, runs, name, num_prompts, batch):
     """Stage 05 through vLLM on the first `num_prompts` held-out prompts (chat and code alternate), float32 so that
     its measure beside vLLM is compared in the dtype both compute in."""
-    drafts = [f"{w}/ck/{r}/checkpoint_best" for r in runs]
+    drafts = [f"{w}/ck/{r}" if "/" in r else f"{w}/ck/{r}/checkpoint_best" for r in runs]  # RUN or RUN/EPOCH
     log = f"{w}/logs/confirm_{name}.log"
     must(py("05_evaluate.py", "--config", CFG, "--draft", *drafts, "--prompts", f"{w}/heldout.jsonl",
             "--prepared-data", f"{w}/prep", "--num-prompts", str(num_prompts), "--max-new-tokens", str(MAX_NEW),
@@ -339,10 +340,33 @@ def curve(src, plot):
     fig.savefig(plot, dpi=110)
 
 
+STUDY = "300:10:0,300:10:1,1000:10:0,1000:10:1,3000:10:0:4096,3000:10:1:4096,10000:4:0:8192,all:3:0:8192"
+
+
+def study(w, states, parallel, plot):
+    """The whole study in one command, on one machine with a GPU and vLLM: every step above in order (each skips what
+    W already holds), the best draft of each size confirmed through vLLM, the table and the plot."""
+    prepare(w, 1000, 100, [16384, 32768])
+    extract(w, states)
+    train(w, states, STUDY.split(","), parallel, [])
+    import torch
+    measure(w, "cuda" if torch.cuda.is_available() else "cpu")
+    m, best = best_epochs(w)
+    sizes = {}
+    for run in best:  # the best run of each size, seed 0 and no lever: the data curve's drafts
+        if re.fullmatch(r"n\w+-s0(-t\d+)?", run):
+            size = run.split("-")[0]
+            if size not in sizes or m[f"{run}/{best[run]}"]["k3"]["acceptance_length"] > \
+                    m[f"{sizes[size]}/{best[sizes[size]]}"]["k3"]["acceptance_length"]:
+                sizes[size] = run
+    confirm(w, sorted(f"{run}/{best[run]}" for run in sizes.values()), "sizes", 100, 1)  # each size's best epoch
+    report(w, plot)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("step", choices=["prepare", "carry", "uncarry", "extract", "train", "measure", "pack", "unpack",
-                                    "confirm", "report", "curve"])
+                                    "confirm", "report", "curve", "study"])
     p.add_argument("--work", required=True)
     p.add_argument("--states", default=None, help="stage 02's folder (default: W/hs)")
     p.add_argument("--holdout", type=int, default=500, help="the package's last N records, never trained on")
@@ -389,6 +413,8 @@ def main():
         confirm(w, runs, a.name, a.num_prompts, a.batch_size)
     elif a.step == "curve":
         curve(a.src, a.plot)
+    elif a.step == "study":
+        study(w, states, a.parallel, a.plot or f"{w}/scaling_quality.png")
     else:
         report(w, a.plot)
 
