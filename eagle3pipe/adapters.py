@@ -141,9 +141,15 @@ def _dist(name):
     return None
 
 
+_checked = set()  # (library, the names asked for) this process found installed
+
+
 def check_private(library):
     """Refuse, in a second and before any import of `library` ("speculators" or "vllm"), an installed version that
     lacks a private name the pipeline relies on: one line naming it, the versions installed and the ones pinned."""
+    key = (library, tuple(PRIVATE[library]))
+    if key in _checked:  # the installed files do not change under a running process
+        return
     dist = _dist(library)
     if dist is None:
         raise UsageError(f"{library} is not installed; run: bash scripts/setup.sh")
@@ -159,11 +165,11 @@ def check_private(library):
         if not re.search(pattern, texts[rel]):
             missing.append(what)
     if missing:
+        want = f"the pinned {library}=={PINNED[library]} (bash scripts/setup.sh)" if library in PINNED else \
+            f"the {library} that scripts/setup.sh installs"
         raise UsageError(f"{dist.metadata['Name']} {dist.version} lacks {', '.join(missing[:3])}"
-                         f"{' ...' if len(missing) > 3 else ''}, which the pipeline adapts; install the "
-                         f"{'pinned ' + library + '==' + PINNED[library] if library in PINNED else library + ' that '}"
-                         f"{'' if library in PINNED else 'scripts/setup.sh installs'}"
-                         f"{' (bash scripts/setup.sh)' if library in PINNED else ''}")
+                         f"{' ...' if len(missing) > 3 else ''}, which the pipeline adapts; install {want}")
+    _checked.add(key)
 
 
 def unmark_quantized(model):

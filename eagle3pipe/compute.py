@@ -214,6 +214,16 @@ def visible_gpus():
     return [(name, total) for _, name, total in gpus]
 
 
+def has_amx():
+    return "amx_tile" in cpu_flags()
+
+
+def vllm_kernel_here(quant, on_gpu):
+    """quantization.vllm_kernel for this machine: (True, what runs it) or (False, why not)."""
+    from .quantization import vllm_kernel
+    return vllm_kernel(quant, on_gpu, has_amx())
+
+
 def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader, quant=None):
     """The extraction engine's rules, the same for stage 02 and stage 04 --online, before anything loads: our CPU
     connector adapts vLLM's (its private names must be in the installed vLLM), tensor parallel divides the heads
@@ -222,8 +232,7 @@ def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader, quant=None):
     operator chose TP, for the error line; `kind`: engines.kind(--backend). `quant` (quantization.read): a quantized
     verifier an engine that keeps it packed has no kernel for here is refused, naming why."""
     if quant and kind.keeps_quantized:
-        from .quantization import vllm_kernel
-        ok, why = vllm_kernel(quant, bool(gpus), "amx_tile" in cpu_flags())
+        ok, why = vllm_kernel_here(quant, bool(gpus))
         if not ok:
             raise UsageError(f"--backend {kind.name}: the verifier is {quant.describe()}, and {why}; use --backend "
                              f"hf (transformers decompresses them: {quant.dequantized_bytes / 2**30:.2f} GiB in bf16) "

@@ -193,8 +193,8 @@ def server_module():
 
 
 def _amx():
-    from .compute import cpu_flags
-    return "amx_tile" in cpu_flags()
+    from .compute import has_amx
+    return has_amx()
 
 
 def eagle3_blocker(text_cfg, on_gpu, mla_draft=False, dtype=None):

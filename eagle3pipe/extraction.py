@@ -17,8 +17,7 @@ import threading
 import time
 
 from . import engines, faults, outdir
-from .spool import wait_for_engine_file
-from .spool import remove_spool_file
+from .spool import remove_spool_file, wait_for_engine_file
 from .errors import UsageError
 from .hidden_states import SCALES, check_file, check_header, hs_path, load_checked, quantize_fp8, read_header, save
 

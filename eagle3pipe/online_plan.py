@@ -5,7 +5,7 @@ import os
 import socket
 from typing import Optional
 
-from . import compute, engines, quantization, verifier
+from . import compute, engines, quantization
 from .compute import available_ram
 from .compute import visible_gpus
 from .engine import get_json
@@ -140,7 +140,7 @@ def plan(s, fp, text_cfg, longest, layer_ids):
     dtype = compute.resolve(s.dtype, bool(gpus))
     tp = max(1, len(engine_gpus))
     kind = engines.kind(s.backend)
-    quant = quantization.read(s.model_path, verifier.model_files(s.model_path)[0])
+    quant = quantization.read(s.model_path)
     compute.check_engine(kind, tp, f"--engine-gpus: {tp} GPUs as tensor parallel", text_cfg, gpus, dtype.dtype,
                          "the trainer reads bf16", quant)
     stored = quant.dequantized_bytes if quant and not kind.keeps_quantized else weights_bytes(s.model_path)

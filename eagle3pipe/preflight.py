@@ -173,7 +173,7 @@ def plan(args):
     gpus = visible_gpus()
     dtype = compute.resolve(args.dtype, bool(gpus))
     kind = engines.kind(args.backend)
-    quant = quantization.read(args.model_path, verifier.model_files(args.model_path)[0])
+    quant = quantization.read(args.model_path)
     compute.check_engine(kind, args.tp_size, f"--tp-size {args.tp_size}", fp, gpus, dtype.dtype,
                          "stage 02's files are bf16", quant)
     if kind.tensor_parallel:
@@ -225,8 +225,7 @@ def quant_line(q, kind, tp, on_gpu):
     if not kind.keeps_quantized:
         return (f"{q.describe()}; {q.stored_bytes / 1e9:.2f} GB as stored, decompressed by transformers to "
                 f"{q.dequantized_bytes / 1e9:.2f} GB in bf16")
-    from .compute import cpu_flags
-    _, runs = quantization.vllm_kernel(q, on_gpu, "amx_tile" in cpu_flags())
+    _, runs = compute.vllm_kernel_here(q, on_gpu)
     return (f"{q.describe()}; {q.stored_bytes / 1e9:.2f} GB as stored, {q.stored_bytes / max(tp, 1) / 2**30:.2f} GiB "
             f"per GPU at TP {tp}; here: {runs}")
 

@@ -107,10 +107,14 @@ def _weights_args(q, where):
     return weights[0]
 
 
-def read(model_path, cfg):
-    """-> Quantization, or None for a checkpoint without one. Only local folders (a hub id's tensors are not here)."""
+def read(model_path, cfg=None):
+    """-> Quantization, or None for a checkpoint without one. Only local folders (a hub id's tensors are not here);
+    `cfg`: its config.json, read here when not given."""
     if not os.path.isdir(model_path):
         return None
+    if cfg is None:
+        from .files import read_json
+        cfg = read_json(os.path.join(model_path, "config.json"))
     where = f"--model-path {model_path}"
     table = tensor_table(model_path)
     packed = sorted(k[:-len(".weight_packed")] for k in table if k.endswith(".weight_packed"))
