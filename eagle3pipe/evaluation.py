@@ -305,6 +305,15 @@ def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, *, dtype, lo
                    **kw)
     from vllm import SamplingParams  # after make_llm: importing vLLM prints, and the engine's log takes it
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=False)
+    try:
+        return _generate_all(llm, prompt_ids, batch_sizes, params, draft, reference)
+    finally:  # the next engine starts on a machine this one has left
+        from .adapters import close_engine
+        close_engine(llm)
+
+
+def _generate_all(llm, prompt_ids, batch_sizes, params, draft, reference):
+    """run_engine's generation on a started engine -> {b: figures}."""
     results = {}
     for b in batch_sizes:
         before = spec_counters(llm)
@@ -329,9 +338,6 @@ def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, *, dtype, lo
                 draft_token_acceptance=round(accepted / max(after["draft_tokens"] - before["draft_tokens"], 1), 4))
     if reference is not None:  # after the timed runs: these extra steps must not count in tok/s or acceptance
         results[1]["divergences"] = divergences(llm, prompt_ids, reference, results[1]["outputs"])
-    del llm
-    import gc
-    gc.collect()
     return results
 
 

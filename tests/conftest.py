@@ -90,6 +90,26 @@ def stages(tmp_path_factory, model_path):
     return d
 
 
+@pytest.fixture(scope="session")
+def short_prompts(tmp_path_factory):
+    """A chat file of 16 held-out prompts: the first user turns of ShareGPT records from 2,000 on (no test trains
+    past record 100) of 20-400 characters. The default prompts after a small stage 01 run to 3,500 tokens, and on a
+    2-core CPU every engine and the measure spent most of their time in those prefills, which no stage 05 test is
+    about (tests/cli/test_evaluate.py checks the prompts' lengths against the verifier's positions)."""
+    from eagle3pipe.conversations import iter_records, normalize
+    out, rows = tmp_path_factory.mktemp("prompts") / "held_out.jsonl", []
+    for i, (where, rec) in enumerate(iter_records("sharegpt")):
+        if i < 2000:
+            continue
+        _, msgs = normalize(where, rec)
+        if msgs and msgs[0]["role"] == "user" and 20 <= len(msgs[0]["content"].strip()) <= 400:
+            rows.append({"messages": msgs[:1]})
+        if len(rows) == 16:
+            break
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
 def train_args(model_path, d, out, *extra):
     # checkpoint_best by the measure costs the verifier's continuations once per run: the tests that check it ask
     measure = [] if "--measure-prompts" in extra else ["--measure-prompts", "0"]

@@ -127,6 +127,8 @@ def test_dry_run_checks_every_checkpoint_and_the_prompt_lengths_then_stops(model
     epochs = sorted(n for n in os.listdir(out) if n.isdigit())
     assert f"dry run: {len(epochs)} checkpoint(s) checked ({', '.join(epochs)})" in p.stdout, p.stdout
     assert "vllm" not in p.heavy and "speculators" not in p.heavy, p.heavy
+    from eagle3pipe import compute  # without --dtype, the engines would compute in auto's dtype for this machine
+    assert f"compute dtype: {compute.resolve('auto', on_gpu=False).dtype}" in p.stdout, p.stdout
     # 8180 new tokens pass the check without prompts (8180 + 3 + 1 <= 8192); the prompts' own tokens do not fit
     p, _ = run_script(*common, "--draft", str(out / "last"), "--max-new-tokens", "8180")
     lines = [line for line in p.stderr.splitlines() if line.strip()]

@@ -53,7 +53,7 @@ def test_wrapper_config_is_read_from_its_text_config(ds, tmp_path):
     assert cfg.hidden_size == 256 and cfg.num_attention_heads == 4 and cfg.vocab_size == 49152
 
 
-def test_the_mla_draft_trains_and_vllm_serves_it_beside_the_mla_verifier(ds, ds_mla):
+def test_the_mla_draft_trains_and_vllm_serves_it_beside_the_mla_verifier(ds, ds_mla, short_prompts):
     """--draft-arch auto (deepseek) on the small DeepSeek-V3: an EAGLE-3 layer with the verifier's MLA attention, saved in
     speculators' layout with a vllm/ copy (the same weights) that vLLM loads as Eagle3DeepseekV3ForCausalLM; on this
     CPU the draft runs on the verifier's own MLA attention backend, so stage 05 measures it."""
@@ -77,8 +77,9 @@ def test_the_mla_draft_trains_and_vllm_serves_it_beside_the_mla_verifier(ds, ds_
         assert f.get_slice("layers.0.self_attn.kv_a_proj_with_mqa.weight").get_shape() == [576, 512]
     assert str(ckpt / "last" / "vllm") in p.stdout, p.stdout[-1000:]  # the serve command gives vLLM the copy
     out = ds["root"] / "eval_mla"
-    p, _ = run_script("05_evaluate.py", "--model-path", ds["model"], "--draft", str(ckpt / "last"), "--prepared-data",
-                      prep, "--output-dir", str(out), "--num-prompts", "2", "--max-new-tokens", "8", "--batch-sizes", "1")
+    p, _ = run_script("05_evaluate.py", "--model-path", ds["model"], "--draft", str(ckpt / "last"), "--prompts",
+                      str(short_prompts), "--prepared-data", prep, "--output-dir", str(out), "--num-prompts", "2",
+                      "--max-new-tokens", "8", "--batch-sizes", "1")
     assert p.returncode == 0, p.stderr[-4000:]
     rep = json.load(open(out / "report.json"))
     assert rep["speculative"]["1"]["drafts"] > 0 and len(rep["speculative"]["1"]["per_position"]) == 3

@@ -11,7 +11,6 @@ import time
 
 
 from conftest import REPO, assert_refused, run_script, train_args
-from faults import stage04_killed_in_save
 
 
 def test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached(stages, model_path, tmp_path):
@@ -86,10 +85,6 @@ def test_bad_hidden_states_are_named_where_read_and_stop_the_run_beyond_a_share(
     save_file({"weight": torch.zeros(3)}, str(f))  # a valid safetensors file, but not ours
     assert_refused(*run_script(*train_args(model_path, d, tmp_path / "ck3")), "hs_5.safetensors", "missing tensors")
     assert not (tmp_path / "ck3").exists()
-
-
-def test_a_kill_inside_a_checkpoint_save_then_the_same_command_resumes(stages, model_path, tmp_path):
-    stage04_killed_in_save("save:2", stages, model_path, tmp_path)  # publish:1: slow/test_faults.py
 
 
 def test_a_rerun_resumes_only_the_same_run_and_inputs_deleted_under_it_stop_it(stages, model_path, tmp_path):

@@ -1,5 +1,5 @@
 """The fault cases too slow for the default set: stage 02 killed at load, mid-batch, between batches and at the end; stage 04 killed
-with the old checkpoint deleted and the new one not yet in place, and stopped by SIGKILL or SIGTERM mid-training;
+while a checkpoint is written and with the old checkpoint deleted and the new one not yet in place, and stopped by SIGKILL or SIGTERM mid-training;
 stage 04 --online with an HF or a vLLM engine killed and resumed."""
 import json
 import os
@@ -20,8 +20,11 @@ def test_stage02_sigkill_then_rerun_completes(stages, model_path, tmp_path, poin
     stage02_killed_at(point, stages, model_path, tmp_path)
 
 
-def test_stage04_kill_in_publish_then_the_same_command_resumes(stages, model_path, tmp_path):
-    stage04_killed_in_save("publish:1", stages, model_path, tmp_path)
+@pytest.mark.parametrize("point", ["save:2", "publish:1"])
+def test_stage04_killed_inside_a_checkpoint_save_then_the_same_command_resumes(stages, model_path, tmp_path, point):
+    """Killed while the second checkpoint is written, and in the window between deleting the old copy and renaming
+    the new one (the default set's tests/reliability/test_stage04_faults.py stops a run by Ctrl-C mid-epoch)."""
+    stage04_killed_in_save(point, stages, model_path, tmp_path)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
