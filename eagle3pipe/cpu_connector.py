@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from eagle3pipe.hidden_states import save
+from eagle3pipe.hidden_states import finite, save
 
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector, extract_from_kv_cache)
@@ -34,7 +34,7 @@ def _write_checked(tensors, filename, lock_fd):
     in the header) plus whether every value is finite, so stage 02's own process validates the file from its
     header and token ids and renames it, without reading the states again."""
     try:
-        save(filename, tensors, finite=int(torch.isfinite(tensors["hidden_states"]).all()))
+        save(filename, tensors, finite=int(finite(tensors["hidden_states"])))
     finally:
         if lock_fd is not None:
             os.close(lock_fd)  # releases the lock stage 02 waits on

@@ -24,6 +24,7 @@ STORAGE_DTYPES = ("bf16", "fp8")
 BYTES_PER_VALUE = {"bf16": 2, "fp8": 1}
 _ST_DTYPES = {"torch.bfloat16": "BF16", "torch.float8_e4m3fn": "F8_E4M3", "torch.float32": "F32",
               "torch.int64": "I64", "torch.float16": "F16"}
+_TORCH_DTYPES = {st: name.split(".")[1] for name, st in _ST_DTYPES.items()}  # "BF16" -> "bfloat16"
 
 
 def hs_path(folder, i):
@@ -137,27 +138,72 @@ def check_header(path, n_tokens, n_states, hidden):
 
 def load_sample(path, n_states, hidden):
     """A training sample read once and checked where it is read: header (shapes, dtypes, size), CRC-32 over the data
-    as read, finite values. -> (None, {name: tensor}) or (the reason, None)."""
-    import torch
-    from safetensors.torch import load as load_bytes
+    as read, finite values. -> (None, {name: tensor}) or (the reason, None). The file is read whole into one buffer
+    and the tensors are views of it (no second copy); the finite check is a min/max pass (NaN and +-inf reach one of
+    them), 40x cheaper on a CPU than an elementwise isfinite over bf16 (bench/profile_loader.py)."""
     try:
         header, start, size = read_header(path)
         n_tokens = (header.get("token_ids") or {}).get("shape", [None])[0]
         reason = check_header(path, n_tokens, n_states, hidden)
         if reason:
             return reason, None
+        import numpy as np
         from .files import open_input
+        buf = np.empty(size, dtype=np.uint8)  # not zero-filled first, as a bytearray would be
         with open_input(path, "rb") as f:
-            data = f.read()
+            got = f.readinto(buf)
+        if got != size:
+            return f"size changed while read ({got} of {size} B)", None
         want = (header.get("__metadata__") or {}).get("crc32")
-        if want is not None and f"{zlib.crc32(memoryview(data)[start:]):08x}" != want:
+        if want is not None and f"{zlib.crc32(memoryview(buf)[start:]):08x}" != want:
             return "checksum mismatch: corrupt data", None
-        tensors = load_bytes(data)
+        tensors = _views(buf, start, header)
     except Exception as e:  # noqa: BLE001 - any way a file is unreadable makes the sample unavailable, named
         return f"unreadable ({type(e).__name__}: {str(e)[:80]})", None
-    if not torch.isfinite(tensors[SCALES] if SCALES in tensors else tensors["hidden_states"]).all():
+    if not finite(tensors[SCALES] if SCALES in tensors else tensors["hidden_states"]):
         return "non-finite values", None
     return None, tensors
+
+
+def _views(buf, start, header):
+    """{name: tensor} viewing `buf` (a writable buffer: a whole safetensors file from byte 0; data from `start`). Raises ValueError where
+    a tensor's offsets disagree with its dtype and shape or leave the data, KeyError on a dtype not ours."""
+    import math
+    import torch
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape = getattr(torch, _TORCH_DTYPES[meta["dtype"]]), [int(n) for n in meta["shape"]]
+        a, b = (int(x) for x in meta["data_offsets"])
+        n = math.prod(shape)
+        if not 0 <= a <= b <= len(buf) - start or b - a != n * dtype.itemsize:
+            raise ValueError(f"{name}: data offsets {a}-{b} disagree with {meta['dtype']} {shape}")
+        out[name] = torch.frombuffer(buf, dtype=dtype, count=n, offset=start + a).view(shape) if n else \
+            torch.empty(shape, dtype=dtype)
+    return out
+
+
+def finite(t):
+    """True when every value of `t` is finite: NaN propagates to torch.aminmax's min and max, +inf reaches the max
+    and -inf the min, so one reduction answers (an elementwise isfinite writes a mask as large as `t`)."""
+    import torch
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) and torch.isfinite(hi))
+
+
+def fp8_to(q, scale, dtype):
+    """fp8 states [T, L+1, H] with per-token scales [T, 1, 1] -> `dtype`, bit for bit what speculators' FP8Transfer
+    computes (`q.to(dtype) * scale.to(dtype)`), 3x faster on a CPU: the 256 possible fp8 values converted once into
+    a table and gathered by numpy instead of converted one by one, then scaled in place."""
+    import numpy as np
+    import torch
+    ints = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[dtype.itemsize]
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(dtype).view(getattr(torch, ints.__name__))
+    out = np.take(table.numpy(), q.contiguous().view(torch.uint8).numpy())
+    return torch.from_numpy(out).view(dtype).mul_(scale.to(dtype))
 
 
 def verify_crc(path):
@@ -210,6 +256,6 @@ def load_checked(path, token_ids, n_states, hidden):
     if not torch.equal(tensors["token_ids"].to(torch.int64), torch.as_tensor(token_ids, dtype=torch.int64)):
         return "token_ids differ from the prepared row", None
     # fp8 states are finite iff their per-token scales are (amax propagates NaN and inf)
-    if not torch.isfinite(tensors[SCALES] if SCALES in tensors else tensors["hidden_states"]).all():
+    if not finite(tensors[SCALES] if SCALES in tensors else tensors["hidden_states"]):
         return "non-finite values", None
     return None, tensors

@@ -12,7 +12,7 @@ import time
 from . import files, outdir
 from .errors import RunError, UsageError
 from .files import STAGE_SCRIPTS, load_stage
-from .hidden_states import SCALES, check_header, hs_path, load_sample, read_token_ids, verify_crc
+from .hidden_states import SCALES, check_header, fp8_to, hs_path, load_sample, read_token_ids, verify_crc
 from .verifier import same_verifier
 
 log = logging.getLogger("eagle3")
@@ -154,10 +154,9 @@ class CheckedFiles:
             self.skip(int(file_idx), reason)
             return None
         states = t["hidden_states"]  # [T, L+1, H]
-        if SCALES in t:  # fp8 on disk: the trainer sees the compute dtype
+        if SCALES in t:  # fp8 on disk: the trainer sees the compute dtype, as speculators' FP8Transfer computes it
             import torch
-            from hs_connectors.fp8_utils import dequantize_fp8_tensor
-            states = dequantize_fp8_tensor(states, t[SCALES], dtype=getattr(torch, self.dtype))
+            states = fp8_to(states, t[SCALES], getattr(torch, self.dtype))
         return {"hidden_states": states, "token_ids": t["token_ids"]}
 
     def get_generated(self, params):

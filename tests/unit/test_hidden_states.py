@@ -101,3 +101,61 @@ def test_checksum_over_several_chunks(tmp_path):
     flipped[start + 2 * hs._CHUNK + 7] ^= 0x01
     open(path, "wb").write(bytes(flipped))
     assert "checksum mismatch" in hs.check_file(path, ids.tolist(), L, H)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+def test_the_loader_reads_what_speculators_reads_bit_for_bit(tmp_path, storage):
+    """The training loader's fast path (one read, views, a min/max finite check, fp8 through a table) gives the
+    tensors speculators' own loaders give, bit for bit, in every compute dtype."""
+    from eagle3pipe.train_data import CheckedFiles
+    write(tmp_path, 0, storage)
+    ref = (FP8Transfer if storage == "fp8" else FileTransfer)(Path(tmp_path)).get_cached(0)
+    reason, t = hs.load_sample(hs.hs_path(tmp_path, 0), L, H)
+    assert reason is None and set(t) == set(load_file(hs.hs_path(tmp_path, 0)))
+    for dtype in ("bfloat16", "float32"):
+        got = CheckedFiles(str(tmp_path), L, H, str(tmp_path / "skipped.jsonl"), rows=1, dtype=dtype).get_cached(0)
+        assert got["token_ids"].tolist() == ref["token_ids"].tolist()
+        if storage == "bf16" or dtype == "bfloat16":  # bf16 files as stored; fp8 as FP8Transfer gives them
+            want = ref["hidden_states"]
+        else:
+            from hs_connectors.fp8_utils import dequantize_fp8_tensor
+            want = dequantize_fp8_tensor(t["hidden_states"], t[hs.SCALES], dtype=torch.float32)
+        assert got["hidden_states"].dtype == want.dtype and torch.equal(got["hidden_states"], want)
+
+
+def test_fp8_table_equals_torch_s_conversion_for_every_byte():
+    """All 256 fp8 bit patterns (NaN included) times scales: the table's result equals speculators' FP8Transfer
+    arithmetic (`q.to(dtype) * scale.to(dtype)`) bit for bit."""
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+    q = torch.arange(256, dtype=torch.uint8).repeat(3, 2, 1).view(torch.float8_e4m3fn)  # [3, 2, 256]
+    scale = torch.tensor([0.5, 3.0, 1e-3]).view(3, 1, 1)
+    for dtype, ints in ((torch.bfloat16, torch.int16), (torch.float16, torch.int16), (torch.float32, torch.int32)):
+        assert torch.equal(hs.fp8_to(q, scale, dtype).view(ints), dequantize_fp8_tensor(q, scale, dtype).view(ints))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_one_non_finite_value_anywhere_is_found(bad):
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(7, 3, 5).to(dtype)
+        assert hs.finite(x)
+        x[4, 2, 1] = bad
+        assert not hs.finite(x)
+    assert hs.finite(torch.empty(0, 4)) and hs.finite(torch.arange(5))
+
+
+def test_a_header_whose_offsets_lie_is_unreadable_not_a_crash(tmp_path):
+    """Offsets that disagree with a tensor's dtype and shape (same file size, valid CRC) are named, not viewed."""
+    import json
+    import struct
+    import zlib
+    write(tmp_path, 0, "bf16")
+    path = hs.hs_path(tmp_path, 0)
+    header, start, _ = hs.read_header(path)
+    data = open(path, "rb").read()[start:]
+    header["token_ids"]["data_offsets"][0] += 8  # one token id short, the file's size unchanged
+    header["__metadata__"]["crc32"] = f"{zlib.crc32(data):08x}"
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    open(path, "wb").write(struct.pack("<Q", len(raw)) + raw + data)
+    reason, t = hs.load_sample(path, L, H)
+    assert t is None and reason.startswith("unreadable (ValueError: token_ids: data offsets"), reason
