@@ -104,10 +104,13 @@ def check_training():
 class BatchGuard:
     """A data loader of speculators', passed through, but a batch that holds no token (every sample in it was
     unavailable: speculators then trains on a padded, empty one) is named on a warning line, counted, and more than
-    MAX_EMPTY_SHARE of an epoch's batches (and more than one) stop the run with one line."""
+    MAX_EMPTY_SHARE of an epoch's batches (and more than one) stop the run with one line. It also keeps the clock
+    the dense log reads (`clock()`): the seconds spent waiting on the loader and the tokens it handed out, since the
+    epoch's first batch was asked for."""
 
     def __init__(self, loader, what="training"):
         self.loader, self.what, self.empty = loader, what, 0
+        self.waited, self.tokens, self.started = 0.0, 0, None
 
     def __len__(self):
         return len(self.loader)
@@ -115,10 +118,28 @@ class BatchGuard:
     def __getattr__(self, name):
         return getattr(self.loader, name)
 
+    def clock(self):
+        """(when this epoch's iteration began, seconds waited on the loader and tokens handed out since then), or None
+        before the first epoch. Waiting is timed on this process's clock, around the loader alone: speculators'
+        own step timer synchronizes the GPU at its marks, so with --log-every above 1 its "fetch" time also holds the
+        previous step's GPU work still queued (on one H200 at Kimi's width: 31-33 % read as data wait)."""
+        return None if self.started is None else (self.started, self.waited, self.tokens)
+
     def __iter__(self):
-        for k, batch in enumerate(self.loader, 1):
+        it, k = iter(self.loader), 0
+        self.waited, self.tokens, self.started = 0.0, 0, time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self.waited += time.perf_counter() - t0
+            k += 1
             ids = batch.get("document_ids") if isinstance(batch, dict) else None
-            if ids is not None and not bool((ids != -1).any()):
+            n = None if ids is None else int((ids != -1).sum())
+            self.tokens += n or 0
+            if n == 0:
                 self.empty += 1
                 log.warning(f"{self.what} batch {k}: came out empty (every sample in it was unavailable; "
                             f"logs/skipped.jsonl names them): it adds nothing")

@@ -79,7 +79,9 @@ def check_draft_memory(num_layers, text_cfg, draft_vocab, on_gpu):
 
 class DenseLog(logging.Handler):
     """One line every N steps from speculators' metric records: step/total, loss, per-position accuracy, lr,
-    tok/s, ETA. Plain text, so it reads the same in a terminal and in a nohup log."""
+    tok/s, ETA. Plain text, so it reads the same in a terminal and in a nohup log. tok/s and the data wait are
+    measured on this process's clock since the previous line (`clock`: the training loader's, input_watch.BatchGuard),
+    not taken from speculators' step profile, whose logged step also holds the previous step's GPU work."""
 
     def __init__(self, every, total_steps=None, jsonl=None):
         super().__init__()
@@ -88,6 +90,7 @@ class DenseLog(logging.Handler):
         self.fetch_ms = self.step_ms = 0.0  # the time the step waited for its batch, summed over the logged steps
         self.jsonl = jsonl  # every metric record, one JSON line each: stage 05 plots the training curves
         self.flops_per_token = self.peak = None  # set once the model exists (PipelineTrainer.setup_model)
+        self.clock, self.last, self.wall, self.waited = None, None, 0.0, 0.0  # the loader's clock, when attached
 
     def emit(self, record):
         msg = record.msg
@@ -122,16 +125,31 @@ class DenseLog(logging.Handler):
         lr = msg.get("lr")
         lr = lr if isinstance(lr, (int, float)) else next(iter(lr.values()), 0) if isinstance(lr, dict) else 0
         total = f"/{self.total}" if self.total else ""
+        tok_s, wait = self.measured(prof)
         log.info(f"step {step}{total} epoch {msg.get('epoch', 0)} loss {m.get('loss', float('nan')):.4f} "
-                 f"acc[{acc}] lr {lr:.2e} {prof.get('tokens_per_s', 0):,.0f} tok/s{self.utilization(prof)} data "
-                 f"wait {prof.get('fetch_frac', 0):.0%}{eta}")
+                 f"acc[{acc}] lr {lr:.2e} {tok_s:,.0f} tok/s{self.utilization(tok_s)} data wait {wait:.0%}{eta}")
 
-    def utilization(self, prof):
-        """` 41.2 TFLOP/s MFU 4.2%`: the model FLOPs the step's tokens cost per second, and their fraction of the
-        device's dense peak where it is known: an operator sees whether the GPU or the data is the limit."""
+    def measured(self, prof):
+        """(tokens a second, the share of the time spent waiting on the loader) since the previous line, or since the
+        epoch's first batch was asked for; speculators' step profile where no loader clock is attached."""
+        c = self.clock() if self.clock else None
+        if c is None:
+            return prof.get("tokens_per_s", 0), prof.get("fetch_frac", 0)
+        started, waited, tokens = c
+        if self.last is None or self.last[0] != started:  # a new epoch: validation and saves are not training time
+            self.last = (started, started, 0.0, 0)
+        _, t, w, n = self.last
+        now = time.perf_counter()
+        self.last, dt = (started, now, waited, tokens), now - t
+        self.wall, self.waited = self.wall + dt, self.waited + waited - w
+        return ((tokens - n) / dt, (waited - w) / dt) if dt > 0 else (0.0, 0.0)
+
+    def utilization(self, tok_s):
+        """` 41.2 TFLOP/s MFU 4.2%`: the model FLOPs the tokens cost per second, and their fraction of the device's
+        dense peak where it is known: an operator sees whether the GPU or the data is the limit."""
         if not self.flops_per_token:
             return ""
-        done = prof.get("tokens_per_s", 0) * self.flops_per_token
+        done = tok_s * self.flops_per_token
         return f" {done / 1e12:.2f} TFLOP/s" + (f" MFU {done / self.peak:.1%}" if self.peak else "")
 
     def count_flops(self, model, ttt_steps, device_name, dtype):
@@ -148,6 +166,8 @@ class DenseLog(logging.Handler):
 
     @property
     def wait_fraction(self):
+        if self.wall:
+            return round(self.waited / self.wall, 4)
         return round(self.fetch_ms / self.step_ms, 4) if self.step_ms else None
 
 
@@ -220,6 +240,7 @@ def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, 
             super().setup_model()
             from .input_watch import BatchGuard  # a batch of no token is named and counted, never trained on silently
             self.train_loader = BatchGuard(self.train_loader)
+            dense_log.clock = self.train_loader.clock  # tok/s and data wait on our clock, around the loader
             if self.val_loader is not None:
                 self.val_loader = BatchGuard(self.val_loader, "validation")
             steps = len(self.train_loader) * self.config.num_epochs

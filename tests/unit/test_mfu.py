@@ -68,7 +68,42 @@ def test_the_dense_line_carries_tflops_and_mfu_where_the_peak_is_known():
         cpu = training.DenseLog(every=1)
         cpu.count_flops(model, 3, None, "float32")
         assert "no known peak for a CPU in float32: no MFU" in seen.lines[-1] and cpu.peak is None
-        assert cpu.utilization({"tokens_per_s": 1e6}) == f" {done / 1e12:.2f} TFLOP/s"
+        assert cpu.utilization(1e6) == f" {done / 1e12:.2f} TFLOP/s"
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
+
+
+def test_tok_s_and_data_wait_are_read_on_the_loaders_clock():
+    """The dense line's tok/s and data wait come from the training loader's own clock (input_watch.BatchGuard), not
+    from speculators' step profile (which says 0 % here): a loader that sleeps before every batch while the step
+    takes no time reads as nearly all waiting; the same batches handed out at once to a step that sleeps, as
+    almost none. Extreme contrasts, so the verdicts hold on any machine."""
+    import time
+    import torch
+    from eagle3pipe.input_watch import BatchGuard
+
+    def batches(n, pause):
+        for _ in range(n):
+            time.sleep(pause)  # a slow loader: the fault this line must show
+            yield {"document_ids": torch.tensor([0, 0, 1, -1])}  # 3 tokens and a pad
+
+    seen, logger = Lines(), logging.getLogger("eagle3")
+    level = logger.level
+    logger.addHandler(seen)
+    logger.setLevel(logging.INFO)
+    try:
+        for loader_pause, step_pause, waiting in ((0.05, 0.0, True), (0.0, 0.05, False)):
+            dense, guard = training.DenseLog(every=1), BatchGuard(batches(4, loader_pause))
+            dense.clock = guard.clock
+            for step, _ in enumerate(guard):
+                time.sleep(step_pause)  # the training step
+                dense.emit(logging.makeLogRecord({"msg": {"train": {"loss": 1.0}, "global_step": step, "epoch": 0,
+                                                          "profile": {"tokens_per_s": 1.0, "fetch_frac": 0.0}}}))
+            wait = int(seen.lines[-1].split("data wait ")[1].split("%")[0])
+            assert (wait > 50) == waiting, (loader_pause, step_pause, seen.lines[-1])
+            assert (dense.wait_fraction > 0.5) == waiting and guard.tokens == 12, dense.wait_fraction
+            assert " 1 tok/s" not in seen.lines[-1]  # not the profile's figure
     finally:
         logger.removeHandler(seen)
         logger.setLevel(level)
