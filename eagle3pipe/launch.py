@@ -221,10 +221,7 @@ def start(r, real):
     finally:
         os.close(log)
     # until the stage rewrites it, its lock names it (not this launcher, which is about to leave)
-    text = f"PID {r.proc.pid} on {socket.gethostname()}: {' '.join(r.proc.args[1:])}\n"
-    fd = locks[-1]
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, text.encode("utf-8", "backslashreplace"), 0)
+    outdir.name_lock(locks[-1], f"PID {r.proc.pid} on {socket.gethostname()}: {' '.join(r.proc.args[1:])}")
 
 
 def confirm(reps):

@@ -611,27 +611,49 @@ def pid_alive(pid):
     return True
 
 
+UNNAMED = "another process"  # a holder whose lock names no one: it took the lock a moment ago, or is not ours
+NAMING_S = 1.0  # how long a reader waits for a lock taken a moment ago to name its holder (microseconds, normally)
+
+
+def name_lock(fd, text):
+    """Write who holds a lock into its file. The new line goes over the old one before the file is cut to it, so a
+    reader at any moment sees a whole line, old or new (it reads the first line), never an empty file."""
+    data = (text.strip() + "\n").encode("utf-8", "backslashreplace")  # a name in Latin-1 bytes stays readable
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
+
+
+def _lock_text(path):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            return os.read(fd, 4096).decode("utf-8", "replace").split("\n", 1)[0].strip()
+        finally:
+            os.close(fd)
+    except OSError:
+        return ""
+
+
 def _holder(folder, lock_name=LOCK):
-    """Who holds a lock: its file's text; for the lock `--shard` replicas share, each replica's shard lock text."""
+    """Who holds a lock: its file's first line; for the lock `--shard` replicas share, each replica's shard lock
+    text. A held lock with no text yet is read again for up to NAMING_S: its holder is between taking and naming it."""
     names = [lock_name]
     if lock_name == LOCK:
         names += sorted(n for n in os.listdir(folder) if SHARD_LOCK.fullmatch(n))
-    held = []
-    for name in names:
-        fd, free = _try_lock(folder, name, fcntl.LOCK_SH, create=False)
-        if fd is not None:
-            os.close(fd)
-        try:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            try:
-                text = os.read(fd, 4096).decode("utf-8", "replace").strip()
-            finally:
+    deadline = time.monotonic() + NAMING_S
+    while True:
+        held, unnamed = [], False
+        for name in names:
+            fd, free = _try_lock(folder, name, fcntl.LOCK_SH, create=False)
+            if fd is not None:
                 os.close(fd)
-        except OSError:
-            text = ""
-        if text and (not free or len(names) == 1):
-            held.append(quote(text))
-    return "; ".join(held) or "another process"
+            text = _lock_text(os.path.join(folder, name))
+            if text and (not free or len(names) == 1):
+                held.append(quote(text))
+            unnamed |= not free and not text
+        if held or not unnamed or time.monotonic() >= deadline:
+            return "; ".join(held) or UNNAMED
+        time.sleep(0.02)
 
 
 def _try_lock(folder, name, mode, create):
@@ -728,9 +750,7 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
             raise UsageError(f"{flag} {path}: in use by another run ({_holder(real, lock_name)}); wait for it to "
                              f"finish or stop it first")
         if mode == fcntl.LOCK_EX:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"PID {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}\n".encode(
-                "utf-8", "backslashreplace"), 0)  # a name in Latin-1 bytes stays readable
+            name_lock(fd, f"PID {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}")
         _held.append(fd)
     led = Ledger.load(real) or Ledger(real, stage, {})
     if not shard and not handoff.handed():  # a launcher handing its lock over compacted the record just before

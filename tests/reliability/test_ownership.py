@@ -58,3 +58,26 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     outdir.check("--output-dir", str(d), "vocab", shard=(1, 2))
     with pytest.raises(UsageError, match="in use by another run"):
         outdir.check("--output-dir", str(d), "vocab")
+
+
+def test_a_refusal_names_the_holder_even_while_it_takes_or_renames_its_lock(tmp_path):
+    """The race CI once lost: a launch read the lock between its holder's taking it and naming itself (or between a
+    rename's truncate and write) and named 'another process'. A holder that names itself late, then renames itself
+    over and over with longer and shorter lines, is always named whole."""
+    d = tmp_path / "out"
+    d.mkdir()
+    code = (f"import fcntl, os, sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe import outdir; "
+            f"fd = os.open({str(d / outdir.LOCK)!r}, os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
+            f"print('locked', flush=True); time.sleep(0.3); end = time.monotonic() + 30\n"
+            f"while time.monotonic() < end:\n"
+            f"    for n in (1, 200, 7): outdir.name_lock(fd, f'PID {{os.getpid()}} ' + 'x' * n)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for _ in range(300):  # the first reads fall inside the holder's unnamed 0.3 s
+            with pytest.raises(UsageError) as refused:
+                outdir.check("--output-dir", str(d), "vocab")
+            assert f"in use by another run (PID {holder.pid} x" in str(refused.value), refused.value
+    finally:
+        holder.kill()
+        holder.wait()
