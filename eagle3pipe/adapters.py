@@ -7,6 +7,8 @@ Why each one exists:
   `torch.accelerator.synchronize()` (raises with no accelerator) and its checkpointer loads onto
   `get_current_device()` ("cuda:0" with none). Both become the CPU's. (The trainer's `.to(local_rank)` and
   autocast's device type are the Trainer subclass's job, training.make_trainer_class.)
+  Under torchrun on a CPU, its `maybe_setup_distributed` (which raises with no accelerator) makes a gloo process
+  group instead (the multi-node test runs two node ranks on one CPU machine).
 - `muon_in_float32`: torch's Muon orthogonalizes each update in bf16, hard-coded; on a CPU without native bf16
   that costs ~50x. With float32 compute the same iteration runs in float32.
 - `recorded_artifacts`: speculators writes run.yaml in place (through any link); here by rename, then recorded.
@@ -63,6 +65,10 @@ PRIVATE = {
         ("speculators/train/cli.py", r"\bsetup_metric_logger\(", "speculators.train.cli.setup_metric_logger (called "
                                                                   "by name)"),
         ("speculators/train/cli.py", r"\bTrainer\(", "speculators.train.cli.Trainer (built by name)"),
+        ("speculators/train/cli.py", r"\bmaybe_setup_distributed\(\)", "speculators.train.cli.maybe_setup_distributed "
+                                                                        "(called by name; gloo on a CPU)"),
+        ("speculators/train/distributed.py", r"dist\.init_process_group\(backend, device_id=local_rank\)",
+         "maybe_setup_distributed's process group (gloo on a CPU)"),
         ("speculators/train/dataloader.py", r"\ndef _worker_init_fn\(", "speculators.train.dataloader._worker_init_fn"),
         ("speculators/train/dataloader.py", r"\bArrowDataset\(", "speculators.train.dataloader.ArrowDataset (built "
                                                                    "by name)"),
@@ -238,9 +244,29 @@ def cpu_without_accelerator():
         yield
         return
     import speculators.train.checkpointer as ckpt
+    import speculators.train.cli as scli
     with patch(torch.accelerator, "synchronize", lambda *a, **k: None), \
-            patch(ckpt, "get_current_device", lambda: "cpu"):
+            patch(ckpt, "get_current_device", lambda: "cpu"), \
+            patch(scli, "maybe_setup_distributed", _on_cpu_gloo(scli.maybe_setup_distributed)):
         yield
+
+
+def _on_cpu_gloo(setup):
+    """speculators' `maybe_setup_distributed`, made to work under torchrun on a machine with no accelerator: it
+    picks its device by `torch.accelerator` (none: it raises) and passes `device_id`; here the process group is
+    gloo's on the CPU, and everything else it does (its rank records, its process groups) stays its own."""
+    import torch
+    import torch.distributed as dist
+
+    def on_cpu(*a, **k):
+        if "LOCAL_RANK" not in os.environ:
+            return setup(*a, **k)
+        init = dist.init_process_group
+        with patch(torch.accelerator, "set_device_index", lambda *_: None), \
+                patch(torch.accelerator, "current_accelerator", lambda *_, **__: torch.device("cpu")), \
+                patch(dist, "init_process_group", lambda *_, device_id=None, **kw: init("gloo", **kw)):
+            return setup(*a, **k)
+    return on_cpu
 
 
 @contextlib.contextmanager
