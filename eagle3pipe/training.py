@@ -104,6 +104,10 @@ class DenseLog(logging.Handler):
         step = msg.get("global_step", 0) + 1
         if self.t0 is None:
             self.t0, self.step0 = time.time(), step - 1
+            c = self.clock() if self.clock else None
+            if c is not None:  # on a GPU most of it is compiling the draft's step (cached: compile_cache.py)
+                log.info(f"first step {time.perf_counter() - c[0]:.1f} s after the epoch began ({c[1]:.1f} s of it "
+                         f"waiting on data)")
         m, prof = msg["train"], msg.get("profile") or {}
         self.fetch_ms += prof.get("fetch_ms", 0.0)
         self.step_ms += prof.get("step_ms", 0.0)
@@ -287,6 +291,10 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16
     float32 turns autocast off (it knows only bf16/fp16) and the draft, whose master weights speculators keeps in
     float32 anyway, computes in float32; the checkpoint is saved bf16 either way."""
     from speculators.train.config import TrainConfig
+    if not on_cpu:  # before anything compiles (the loss probe below, the draft's step): compile_cache.py says why
+        from . import compile_cache
+        where, kept = compile_cache.prepare()
+        log.info(f"torch.compile cache: {where}" + (" (a rerun, a resume or another run here reuses it)" if kept else ""))
     # GPU: up to 12 workers per rank (speculators' default) but no more than the cores each rank has: reading
     # per-sample files is most of a step's input cost. CPU: none, the training step already uses every core.
     per_rank = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

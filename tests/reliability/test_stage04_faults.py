@@ -18,7 +18,7 @@ def test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached(stages, model_path, t
     resend): the signal is acknowledged at once, an `interrupted` checkpoint is saved whole, and the same command
     continues from the next step, not from the last epoch boundary and never from step 1."""
     out = tmp_path / "draft"
-    argv = train_args(model_path, stages, out, "--epochs", "2", "--total-seq-len", "512")
+    argv = train_args(model_path, stages, out, "--epochs", "2", "--total-seq-len", "512", "--num-samples", "12")
     err = open(tmp_path / "first.err", "w")
     proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # each step line as it happens
@@ -46,45 +46,6 @@ def test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached(stages, model_path, t
     steps = [int(s) for s in re.findall(r"step (\d+)/", p.stderr)]
     assert steps[0] == stopped_at + 1, (stopped_at, steps)
     assert json.load(open(out / "manifest.json"))["steps"] == int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
-
-
-def test_bad_hidden_states_are_named_where_read_and_stop_the_run_beyond_a_share(stages, model_path, tmp_path):
-    """Each sample is checked where it is read (CRC, dtype, finite values): one bad file of 24 is skipped, named and
-    counted; a second (all NaN, with a valid checksum) is more than the share and stops the run with one line.
-    --verify-data names the first before step 1; a wrong dtype or a truncated file is named up front anyway."""
-    import json
-    import torch
-    from eagle3pipe.hidden_states import save
-    from safetensors.torch import load_file
-    hs = tmp_path / "hs"
-    shutil.copytree(stages["hs"], hs)
-    f = hs / "hs_5.safetensors"
-    st = os.stat(f)
-    data = bytearray(f.read_bytes())
-    data[-7] ^= 0x20
-    f.write_bytes(bytes(data))
-    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # a flipped bit: the file's own time
-    d = dict(stages, hs=hs)
-    assert_refused(*run_script(*train_args(model_path, d, tmp_path / "ck0", "--verify-data")), "hs_5.safetensors",
-                   "checksum mismatch", "rerun 02_extract_hidden_states.py")
-    p, _ = run_script(*train_args(model_path, d, tmp_path / "ck", "--epochs", "1"))  # every row read once
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "hs_5.safetensors: checksum mismatch: corrupt data; sample skipped" in p.stderr
-    assert json.load(open(tmp_path / "ck" / "manifest.json"))["skipped_samples"] == 1
-    t = load_file(hs / "hs_6.safetensors")
-    save(str(hs / "hs_6.safetensors"), {**t, "hidden_states": torch.full_like(t["hidden_states"], float("nan"))})
-    p, _ = run_script(*train_args(model_path, d, tmp_path / "ck2", "--epochs", "1"))
-    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert "2 of 24 samples are bad" in lines[0] and "rerun 02_extract_hidden_states.py" in lines[0], lines
-    save(str(hs / "hs_6.safetensors"), {**t, "hidden_states": t["hidden_states"].to(torch.int64)})
-    assert_refused(*run_script(*train_args(model_path, d, tmp_path / "ck3")), "hs_6.safetensors", "stored as I64")
-    f.write_bytes(bytes(data[:-100]))  # truncated: caught by the header check, without reading the data
-    assert_refused(*run_script(*train_args(model_path, d, tmp_path / "ck3")), "hs_5.safetensors", "truncated")
-    from safetensors.torch import save_file
-    save_file({"weight": torch.zeros(3)}, str(f))  # a valid safetensors file, but not ours
-    assert_refused(*run_script(*train_args(model_path, d, tmp_path / "ck3")), "hs_5.safetensors", "missing tensors")
-    assert not (tmp_path / "ck3").exists()
 
 
 def test_a_rerun_resumes_only_the_same_run_and_inputs_deleted_under_it_stop_it(stages, model_path, tmp_path):

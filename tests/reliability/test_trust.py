@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO, assert_refused, run_script, snapshot, train_args
+from conftest import REPO, TRAINED_EPOCHS, assert_refused, run_script, snapshot, train_args
 
 
 def script(name):
@@ -227,6 +227,6 @@ def test_a_checkpoint_folder_with_a_person_s_folder_is_not_resumed_or_cleared(tr
     (out / "2025" / "plan.txt").write_text("a person's plan\n")
     before = snapshot(out)
     for extra in ([], ["--overwrite"]):
-        p, secs = run_script(*train_args(model_path, stages, out, "--epochs", "4", "--lr", "3e-3", *extra))
+        p, secs = run_script(*train_args(model_path, stages, out, "--epochs", str(TRAINED_EPOCHS), "--lr", "3e-3", *extra))
         assert_refused(p, secs, "holds '2025'")
     assert snapshot(out) == before

@@ -9,9 +9,8 @@ measure's were equal (docs/RECIPE.md). The default set proves the same agreement
 checkpoints (tests/e2e/test_recipe.py), in the stage 05 run it makes anyway."""
 import json
 
-from conftest import run_script
+from conftest import MEASURE_LENGTH, MEASURE_POSITION, run_script
 
-LENGTH, POSITION = 0.03, 0.02  # issue 33's agreement: acceptance length, each position's rate
 K, PROMPTS, NEW = 3, 8, 32
 
 
@@ -28,8 +27,8 @@ def test_the_measure_agrees_with_vllm(model_path, stages, trained, short_prompts
     assert ours["vllm"] == vllm["acceptance_length"]
     assert ours["drafts"] > 0 and vllm["drafts"] > 0
     assert abs(ours["drafts"] - vllm["drafts"]) <= 0.02 * vllm["drafts"], (ours, vllm)  # the same rounds
-    assert abs(ours["acceptance_length"] - vllm["acceptance_length"]) <= LENGTH, (ours, vllm)
+    assert abs(ours["acceptance_length"] - vllm["acceptance_length"]) <= MEASURE_LENGTH, (ours, vllm)
     assert len(ours["per_position"]) == len(vllm["per_position"]) == K
     for a, b in zip(ours["per_position"], vllm["per_position"]):
-        assert abs(a - b) <= POSITION, (ours, vllm)
+        assert abs(a - b) <= MEASURE_POSITION, (ours, vllm)
     assert "acceptance length without vLLM" in p.stdout

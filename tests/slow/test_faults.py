@@ -1,9 +1,12 @@
-"""The fault cases too slow for the default set: stage 02 killed at load, mid-batch, between batches and at the end; stage 04 killed
-while a checkpoint is written and with the old checkpoint deleted and the new one not yet in place, and stopped by SIGKILL or SIGTERM mid-training;
-stage 04 --online with an HF or a vLLM engine killed and resumed."""
+"""The fault cases too slow for the default set: stage 02 killed at five points (load, mid-batch, writing, between
+batches, the end), a disk that fills mid-run, stage 01 rewritten under a running stage 02; stage 04 killed while a
+checkpoint is written and with the old checkpoint deleted and the new one not yet in place, stopped by SIGKILL or
+SIGTERM mid-training, bad hidden-state files named where read; stage 04 --online with an HF or a vLLM engine killed
+and resumed."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,8 +14,9 @@ import time
 
 import pytest
 
-from conftest import REPO, run_script, train_args
-from faults import online_killed_and_resumed, stage02_killed_at, stage04_killed_in_save
+from conftest import REPO, assert_refused, rows_of, run_script, train_args
+from eagle3pipe.hidden_states import check_file, hs_path
+from faults import assert_complete, cmd, online_killed_and_resumed, stage02_killed_at, stage04_killed_in_save
 
 
 @pytest.mark.parametrize("point", ["load", "batch", "between", "end"])
@@ -61,3 +65,108 @@ def test_online_hf_kill_resume_cache_and_skipped_sample(small, model_path, tmp_p
 
 def test_online_vllm_kill_resume_cache_and_skipped_sample(small, model_path, tmp_path):
     online_killed_and_resumed("vllm", small, model_path, tmp_path, epochs=2)
+
+
+def test_bad_hidden_states_are_named_where_read_and_stop_the_run_beyond_a_share(stages, model_path, tmp_path):
+    """Each sample is checked where it is read (CRC, dtype, finite values): one bad file of 24 is skipped, named and
+    counted; a second (all NaN, with a valid checksum) is more than the share and stops the run with one line.
+    --verify-data names the first before step 1; a wrong dtype or a truncated file is named up front anyway."""
+    import json
+    import torch
+    from eagle3pipe.hidden_states import save
+    from safetensors.torch import load_file
+    hs = tmp_path / "hs"
+    shutil.copytree(stages["hs"], hs)
+    f = hs / "hs_5.safetensors"
+    st = os.stat(f)
+    data = bytearray(f.read_bytes())
+    data[-7] ^= 0x20
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # a flipped bit: the file's own time
+    d = dict(stages, hs=hs)
+    assert_refused(*run_script(*train_args(model_path, d, tmp_path / "ck0", "--verify-data")), "hs_5.safetensors",
+                   "checksum mismatch", "rerun 02_extract_hidden_states.py")
+    p, _ = run_script(*train_args(model_path, d, tmp_path / "ck", "--epochs", "1"))  # every row read once
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "hs_5.safetensors: checksum mismatch: corrupt data; sample skipped" in p.stderr
+    assert json.load(open(tmp_path / "ck" / "manifest.json"))["skipped_samples"] == 1
+    t = load_file(hs / "hs_6.safetensors")
+    save(str(hs / "hs_6.safetensors"), {**t, "hidden_states": torch.full_like(t["hidden_states"], float("nan"))})
+    p, _ = run_script(*train_args(model_path, d, tmp_path / "ck2", "--epochs", "1"))
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "2 of 24 samples are bad" in lines[0] and "rerun 02_extract_hidden_states.py" in lines[0], lines
+    save(str(hs / "hs_6.safetensors"), {**t, "hidden_states": t["hidden_states"].to(torch.int64)})
+    assert_refused(*run_script(*train_args(model_path, d, tmp_path / "ck3")), "hs_6.safetensors", "stored as I64")
+    f.write_bytes(bytes(data[:-100]))  # truncated: caught by the header check, without reading the data
+    assert_refused(*run_script(*train_args(model_path, d, tmp_path / "ck3")), "hs_5.safetensors", "truncated")
+    from safetensors.torch import save_file
+    save_file({"weight": torch.zeros(3)}, str(f))  # a valid safetensors file, but not ours
+    assert_refused(*run_script(*train_args(model_path, d, tmp_path / "ck3")), "hs_5.safetensors", "missing tensors")
+    assert not (tmp_path / "ck3").exists()
+
+
+def test_stage01_rewritten_under_a_running_stage02_stops_it_with_one_line(stages, model_path, tmp_path):
+    """Stage 01 reruns into the folder stage 02 is reading: stage 02 stops with one line naming it (exit 1), before
+    it writes a manifest over files of two inputs."""
+    prep, out = tmp_path / "prepared", tmp_path / "hs"
+    shutil.copytree(stages["prepared"], prep)
+    err = open(tmp_path / "err", "w")
+    proc = subprocess.Popen([sys.executable, *cmd(model_path, prep, out, "--batch-size", "1")], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out.exists() and any(n.startswith("hs_") for n in os.listdir(out))):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGSTOP)  # held while stage 01 rewrites its input
+    try:
+        p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "6", "--max-seq-len",
+                          "512", "--output-dir", str(prep))
+        assert p.returncode == 0, p.stderr[-2000:]
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    rc = proc.wait(timeout=300)
+    err.close()
+    text = (tmp_path / "err").read_text()
+    lines = [line for line in text.splitlines() if line.startswith("error:")]
+    assert rc == 1 and len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    assert f"--prepared-data {prep}: changed while this stage ran" in lines[0], lines
+    assert not (out / "manifest.json").exists()
+
+
+
+def test_full_disk_mid_run_is_one_line_and_a_rerun_with_space_completes(stages, model_path, small_disk):
+    prep = stages["prepared"]
+    need = sum(len(r["input_ids"]) for r in rows_of(prep)) * (4 * 576 * 2 + 8)
+    disk = small_disk(int(need * 1.5) // 2**20 + 2)
+    out = disk / "hs"
+    proc = subprocess.Popen([sys.executable, *cmd(model_path, prep, out, "--batch-size", "1")], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out.exists() and any(n.startswith("hs_") for n in os.listdir(out))):
+        time.sleep(0.05)
+    with open(disk / "ballast", "wb") as f:  # someone else fills the disk while the stage runs
+        try:
+            while True:
+                f.write(b"\0" * 2**20)
+        except OSError:
+            pass
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2, stderr[-2000:]
+    line = [l for l in stderr.splitlines() if l.startswith("error: ")]
+    assert len(line) == 1 and f"--output-dir {out}: disk full" in line[0] and "GB more needed" in line[0], stderr
+    assert not [n for n in os.listdir(out) if ".tmp-" in n]  # no partial file, under any name
+    rows = [r["input_ids"] for r in rows_of(prep)]
+    for n in os.listdir(out):  # whatever was written is complete
+        if n.startswith("hs_"):
+            i = int(n[3:-12])
+            assert check_file(hs_path(out, i), rows[i], 4, 576) is None
+    os.remove(disk / "ballast")
+    p, _ = run_script(*cmd(model_path, prep, out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert_complete(prep, out)
+
+
+
+@pytest.mark.parametrize("point", ["write"])  # load, batch, between and end: slow/test_faults.py
+def test_sigkill_then_rerun_completes(stages, model_path, tmp_path, point):
+    stage02_killed_at(point, stages, model_path, tmp_path)

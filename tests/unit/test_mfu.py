@@ -104,6 +104,9 @@ def test_tok_s_and_data_wait_are_read_on_the_loaders_clock():
             assert (wait > 50) == waiting, (loader_pause, step_pause, seen.lines[-1])
             assert (dense.wait_fraction > 0.5) == waiting and guard.tokens == 12, dense.wait_fraction
             assert " 1 tok/s" not in seen.lines[-1]  # not the profile's figure
+            first = [line for line in seen.lines if line.startswith("first step ")]
+            waited = float(first[-1].split("(")[1].split(" s of it")[0])
+            assert len(first) == (1 if waiting else 2) and (waited >= 0.04) == waiting, first  # once a run
     finally:
         logger.removeHandler(seen)
         logger.setLevel(level)

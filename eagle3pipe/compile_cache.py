@@ -1,0 +1,60 @@
+"""Where torch.compile keeps what it compiled for stage 04, so that a rerun, a resume or a second run on the same
+machine reuses the draft's compiled step instead of compiling it again (on a GPU speculators compiles the draft's
+forward: about two minutes at Kimi's width on a fresh machine, seconds with the cache).
+
+torch's default is `/tmp/torchinductor_<user>`: emptied on reboot on many machines, and in a folder anyone can write
+to, where another user could have made that folder first. What is in the cache is loaded as code (pickled graphs and
+compiled kernels), so it is used only if it is this user's: a plain folder (not a link) owned by this user that
+nobody else can write to. The default is `<XDG_CACHE_HOME or ~/.cache>/eagle3pipe/torch-compile`;
+`TORCHINDUCTOR_CACHE_DIR` set by the user is kept, under the same rule. A cache that fails the rule is never read:
+one warning line, and this run compiles into a fresh private folder of its own, removed when it ends."""
+import atexit
+import logging
+import os
+import shutil
+import stat
+import tempfile
+
+log = logging.getLogger("eagle3pipe")
+
+ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def default_dir():
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "eagle3pipe", "torch-compile")
+
+
+def distrust(path):
+    """Why `path` cannot hold this user's compiled code, or None if it can. A missing folder is made (private)."""
+    try:
+        if not os.path.lexists(path):
+            os.makedirs(path, mode=0o700)
+        st = os.lstat(path)
+    except OSError as e:
+        return f"cannot be made or read ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_uid != os.getuid():
+        return f"belongs to another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"others can write to it (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def prepare():
+    """Point torch.compile's cache (and Triton's, inside it, unless TRITON_CACHE_DIR is set) at a folder this user
+    owns, before anything compiles. -> (the folder, True if it persists between runs)."""
+    path = os.path.abspath(os.environ.get(ENV) or default_dir())
+    why = distrust(path)
+    if why is None:
+        os.environ[ENV] = path
+        return path, True
+    fresh = tempfile.mkdtemp(prefix="eagle3-compile-")
+    atexit.register(shutil.rmtree, fresh, True)
+    log.warning(f"compile cache {path} {why}: not trusted, never read; this run compiles into {fresh} (removed at "
+                f"the end), so the next run compiles again; set {ENV} to a folder of your own to keep it")
+    os.environ[ENV] = fresh
+    return fresh, False
