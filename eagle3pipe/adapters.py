@@ -26,7 +26,7 @@ Why each one exists:
   head; it is right on the 2-D [tokens, heads * dim] query that Llama-style attention hands it. MLA attention
   (DeepSeek-V3, Kimi, the MLA draft) hands it the 3-D rope part of its query, so on a CPU its attention scores came
   out wrong: the MLA draft's logits differed from the training model's by 0.5 % of their scale
-  (tests/e2e/test_parity.py found it). vLLM's own switch `custom_ops: ["-rotary_embedding"]` runs the layer's
+  (tests/slow/test_parity.py found it). vLLM's own switch `custom_ops: ["-rotary_embedding"]` runs the layer's
   pure-torch forward instead, which is right for both; every vLLM engine the pipeline starts on a CPU for an MLA
   verifier gets it (engine.cpu_compilation), and so does the printed CPU serve command. Other verifiers keep the
   kernel: there it is right, and the pure-torch rope costs 7 % of a prefill (docs/BENCHMARKS.md).

@@ -141,16 +141,17 @@ def test_stage04_on_a_hostile_folder(model_path, stages, trained, tmp_path):
     before = tree_sum(s)
     work = tmp_path / "next" / "work"
     shutil.copytree(ckpt, work, symlinks=True)
-    os.symlink(s / "dir", work / ".saving" / "4", target_is_directory=True)
-    p, _ = run_script(*train_args(model_path, stages, work, "--epochs", "5", "--lr", "3e-3"))
-    assert p.returncode != 0 and ".saving/4" in one_line_or_success(p, "link at .saving/4"), p.stderr[-2000:]
+    nxt = str(TRAINED_EPOCHS)  # the epoch a longer run saves next
+    os.symlink(s / "dir", work / ".saving" / nxt, target_is_directory=True)
+    p, _ = run_script(*train_args(model_path, stages, work, "--epochs", str(TRAINED_EPOCHS + 1), "--lr", "3e-3"))
+    assert p.returncode != 0 and f".saving/{nxt}" in one_line_or_success(p, f"link at .saving/{nxt}"), p.stderr[-2000:]
     assert tree_sum(s) == before
     # --overwrite with a person's notes in logs/ and in an epoch folder, which the stage would have to remake:
     # refused before anything is deleted, naming the note; every checkpoint and note stays
     (ckpt / "logs" / "notes.txt").write_text("a person's notes\n")
-    (ckpt / "2" / "notes.txt").write_text("a person's notes\n")
+    (ckpt / "0" / "notes.txt").write_text("a person's notes\n")
     before = tree_sum(ckpt)
     p, _ = run_script(*argv(ckpt), "--overwrite")
     line = one_line_or_success(p, "--overwrite with notes")
     assert p.returncode == 2 and "inside a folder this stage made" in line and "nothing was deleted" in line, line
-    assert tree_sum(ckpt) == before and (ckpt / "3" / "model.safetensors").exists()
+    assert tree_sum(ckpt) == before and (ckpt / "1" / "model.safetensors").exists()

@@ -19,7 +19,7 @@ from eagle3pipe.hidden_states import check_file, hs_path
 from faults import assert_complete, cmd, online_killed_and_resumed, stage02_killed_at, stage04_killed_in_save
 
 
-@pytest.mark.parametrize("point", ["load", "batch", "between", "end"])
+@pytest.mark.parametrize("point", ["load", "batch", "write", "between", "end"])
 def test_stage02_sigkill_then_rerun_completes(stages, model_path, tmp_path, point):
     stage02_killed_at(point, stages, model_path, tmp_path)
 
@@ -164,9 +164,3 @@ def test_full_disk_mid_run_is_one_line_and_a_rerun_with_space_completes(stages, 
     p, _ = run_script(*cmd(model_path, prep, out))
     assert p.returncode == 0, p.stderr[-2000:]
     assert_complete(prep, out)
-
-
-
-@pytest.mark.parametrize("point", ["write"])  # load, batch, between and end: slow/test_faults.py
-def test_sigkill_then_rerun_completes(stages, model_path, tmp_path, point):
-    stage02_killed_at(point, stages, model_path, tmp_path)
