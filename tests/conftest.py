@@ -162,6 +162,17 @@ def assert_refused(p, secs, *needles):
     return lines[0]
 
 
+def ended_with_one_line(proc, err, log, rc=1, timeout=300):
+    """A stage the test started (stderr into the open file `err`, at `log`) ends with exit `rc` and exactly one
+    `error:` line, no traceback. -> the line."""
+    code = proc.wait(timeout=timeout)
+    err.close()
+    text = open(log).read()
+    lines = [line for line in text.splitlines() if line.startswith("error:")]
+    assert code == rc and len(lines) == 1 and "Traceback" not in text, (code, text[-3000:])
+    return lines[0]
+
+
 def snapshot(*roots):
     """Every entry under `roots` (not following links): file bytes, link targets, the kind of anything else."""
     out = {}
