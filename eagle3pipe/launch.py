@@ -313,9 +313,6 @@ def main(argv=None):
             outdir.claim("--output-dir", out, "extract", inputs, r.args.shard)
         except UsageError as e:
             raise _busy(out, r.args.shard, e)
-    for r in reps:  # the stage rewrites the text of the locks it is handed: from the start, not after this one's
-        for name in _lock_names(r):
-            os.lseek(outdir.held_lock(real, name), 0, os.SEEK_SET)
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     t0 = time.monotonic()
     try:

@@ -142,6 +142,13 @@ def trained(stages, model_path, tmp_path_factory):
 
 
 
+@pytest.fixture(scope="module")
+def draft_base(trained):
+    """The session's draft as data for the bad-draft generator (tests/bad_drafts.py): its config and tensors."""
+    from bad_drafts import base_of
+    return base_of(os.path.realpath(trained[0] / "last"))
+
+
 def pytest_collection_modifyitems(items):
     tiers = ("unit", "cli", "e2e", "reliability", "slow")
     for item in items:

@@ -9,15 +9,9 @@ from bad_drafts import (FAMILIES, LAYER, MISSING, base_of, cut, edit_tensors, re
                         write_st)
 
 
-@pytest.fixture(scope="module")
-def base(trained):
-    out, _ = trained
-    return base_of(os.path.realpath(out / "last"))
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_bad_draft_is_refused_in_one_line_before_anything_loads(family, base, model_path, tmp_path):
-    refuse_all(model_path, base, tmp_path, FAMILIES[family]())
+def test_every_bad_draft_is_refused_in_one_line_before_anything_loads(family, draft_base, model_path, tmp_path):
+    refuse_all(model_path, draft_base, tmp_path, FAMILIES[family]())
 
 
 def test_an_mla_draft_and_its_vllm_copy(ds, ds_mla, tmp_path):
