@@ -2,6 +2,7 @@
 # The GPU benchmarks of docs/BENCHMARKS.md, on a lent H200 machine (bench/ and .gpu/ travel with the tree):
 #   bash bench/bench_gpu.sh extract ASSETS OUT   # bench_extract_gpu.py: stage 02 vs bare forward, fp8, 2 replicas
 #   bash bench/bench_gpu.sh train   ASSETS OUT   # bench_train.py: stage 04 vs speculators' train, DDP on all GPUs
+#   bash bench/bench_gpu.sh gputrain ASSETS OUT  # bench_train_gpu.py: stage 04 as a user sees it (SHAPES=kimi,embedded)
 #   bash bench/bench_gpu.sh mla     ASSETS OUT   # bench_mla_draft_gpu.py: the MLA draft against the Llama-style one
 #                                                  (ARMS=llama, then ARMS=deepseek: one arm a call)
 # ASSETS: tokenizer files + config.json of a small Llama, train.json (ShareGPT), *.whl for what the machine lacks.
@@ -28,6 +29,11 @@ NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -2; df -h "$W" | tail -1; nproc
 if [ "$WHAT" = mla ]; then
   $PY -m bench.bench_mla_draft_gpu --assets "$A" --work "$W/mla" --out "$OUT" --arms "${ARMS:-llama,deepseek}" | tee "$OUT/mla.txt"
+  exit 0
+fi
+if [ "$WHAT" = gputrain ]; then  # SHAPES: kimi,embedded (one a call keeps each under the 10-minute limit)
+  $PY -m bench.bench_train_gpu --assets "$A" --work "$W/gt" --out "$OUT" --shapes "${SHAPES:-kimi,embedded}" \
+    --hs-dir /dev/shm | tee "$OUT/gputrain.txt"
   exit 0
 fi
 if [ "$WHAT" = extract ]; then

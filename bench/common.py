@@ -64,12 +64,13 @@ def deepseek_v3(assets, dst, layers, experts, topk):
 
 
 def save_random(cfg, assets, dst, **config_extra):
-    """Random bf16 weights of `cfg`, drawn on the GPU, saved to `dst` with the tokenizer files of `assets`."""
+    """Random bf16 weights of `cfg`, drawn on the GPU (the CPU where there is none), saved to `dst` with the tokenizer
+    files of `assets`."""
     import json
     import torch
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(dst)
     del model

@@ -4,8 +4,9 @@
 #   bash scripts/quickstart.sh                       # up to 300 conversations, 1 epoch, fitted to ~25 minutes
 #   NUM_SAMPLES=2000 EPOCHS=3 bash scripts/quickstart.sh   # exactly these, however long they take
 # With an NVIDIA GPU (nvidia-smi lists one) it trains on all the package's conversations but the last 1,000 (kept
-# for stage 05's 100 held-out prompts), 3 epochs, hidden states stored in fp8 (about 55 GB of disk), and says so
-# before it starts; NUM_SAMPLES / EPOCHS / NUM_PROMPTS still choose.
+# for stage 05's 100 held-out prompts), 3 epochs, hidden states stored in fp8 (about 55 GB of disk), with the recipe
+# docs/RECIPE.md measured best at that size (a 32,768-token draft vocabulary, two draft layers), and says so before
+# it starts; NUM_SAMPLES / EPOCHS / NUM_PROMPTS still choose.
 # Before the run it measures this machine (one forward of the verifier, ~10 s) and prints what each stage will
 # take. On a slow CPU it trains on fewer conversations so the run fits BUDGET_MIN minutes (default 24, for stages
 # 02-05), and says so; NUM_SAMPLES fixes the number. Every stage computes in the dtype that is fast here (bf16
@@ -28,14 +29,16 @@ MODEL=data/models/smollm2-135m-instruct
 N=${NUM_SAMPLES:-300}
 EPOCHS=${EPOCHS:-1}
 PROMPTS=${NUM_PROMPTS:-8}
-GPU=0; STATES=()
+GPU=0; STATES=(); VOCAB=data/vocab_map_8192; LAYERS=()
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  GPU=1; STATES=(--storage-dtype fp8)
+  # at all the conversations a 32,768-token vocabulary and a second layer each add acceptance (docs/RECIPE.md); at
+  # the CPU's few hundred the config's 8,192 and one layer stay
+  GPU=1; STATES=(--storage-dtype fp8); VOCAB=data/vocab_map_32768; LAYERS=(--num-layers 2)
   total=$($PY -c 'from eagle3pipe.conversations import iter_records as r; print(sum(1 for _ in r("sharegpt")))')
   N=${NUM_SAMPLES:-$((total - 1000))}; EPOCHS=${EPOCHS:-3}; PROMPTS=${NUM_PROMPTS:-100}
   echo "quickstart: an NVIDIA GPU: training on $N of the package's $total ShareGPT conversations (the last 1,000" \
-       "kept for the evaluation), $EPOCHS epochs, hidden states in fp8 (about 55 GB of disk for all of them); on a" \
-       "CPU the quickstart fits ~25 minutes instead"
+       "kept for the evaluation), $EPOCHS epochs, a two-layer draft with a 32,768-token vocabulary, hidden states in" \
+       "fp8 (about 55 GB of disk for all of them); on a CPU the quickstart fits ~25 minutes instead"
 fi
 start=$(date +%s)
 stamp() { echo "quickstart: $1 done at +$(( $(date +%s) - start )) s"; }
@@ -60,8 +63,10 @@ if [[ "$fit" =~ ^[0-9]+$ ]] && [ "$fit" -lt "$N" ]; then
   $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";        stamp "01 prepare ($N conversations)"
 fi
 $PY 02_extract_hidden_states.py --config $CFG ${STATES[@]+"${STATES[@]}"}; stamp "02 extract"
-$PY 03_build_vocab_mapping.py --config $CFG;                         stamp "03 vocab map"
-$PY 04_train.py --config $CFG --epochs "$EPOCHS";                    stamp "04 train"
+$PY 03_build_vocab_mapping.py --config $CFG --draft-vocab-size "${VOCAB##*_}" --output-dir $VOCAB
+stamp "03 vocab map"
+$PY 04_train.py --config $CFG --epochs "$EPOCHS" --vocab-mapping $VOCAB ${LAYERS[@]+"${LAYERS[@]}"}
+stamp "04 train"
 $PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "$PROMPTS" \
     --max-new-tokens 64 --batch-sizes 1,4;                           stamp "05 evaluate"
 echo "quickstart: the draft is data/checkpoints/last; serve it with vLLM:"
