@@ -2,7 +2,7 @@
 the HF backend. The default set runs the rest of the class end to end (tests/e2e/test_architectures.py)."""
 import json
 
-from conftest import assert_refused, run_script, vocab_and_draft
+from conftest import MEASURE_LENGTH, MEASURE_POSITION, assert_refused, run_script, vocab_and_draft
 
 
 def amx():
@@ -80,3 +80,27 @@ def test_the_mla_draft_trains_and_vllm_serves_it_beside_the_mla_verifier(ds, ds_
     assert p.returncode == 0, p.stderr[-4000:]
     rep = json.load(open(out / "report.json"))
     assert rep["speculative"]["1"]["drafts"] > 0 and len(rep["speculative"]["1"]["per_position"]) == 3
+
+
+def test_two_mla_draft_layers_train_and_vllm_serves_the_same_function(ds, short_prompts):
+    """`--num-layers 2` with the MLA draft (what a Kimi user tries after docs/RECIPE.md's second-layer lever): the
+    second layer is saved as vLLM reads it (a plain decoder layer: hidden states only, no [embeds | hidden]), and
+    stage 05 through vLLM counts the same acceptance as the measure that runs the trained layers in torch."""
+    p, ckpt = vocab_and_draft(ds, "mla2", "--fc-norm", "--num-layers", "2")
+    cfg = json.load(open(ckpt / "last" / "vllm" / "config.json"))
+    assert cfg["num_hidden_layers"] == 2 and cfg["architectures"] == ["Eagle3DeepseekV3ForCausalLM"], cfg
+    from safetensors import safe_open
+    with safe_open(str(ckpt / "last" / "model.safetensors"), "pt") as f:
+        assert f.get_slice("layers.0.self_attn.kv_a_proj_with_mqa.weight").get_shape() == [576, 512]
+        assert f.get_slice("layers.1.self_attn.kv_a_proj_with_mqa.weight").get_shape() == [576, 256]
+    out = ds["root"] / "eval_mla2"
+    p, _ = run_script("05_evaluate.py", "--model-path", ds["model"], "--draft", str(ckpt / "last"), "--prompts",
+                      str(short_prompts), "--prepared-data", str(ds["prep"]), "--output-dir", str(out),
+                      "--num-prompts", "2", "--max-new-tokens", "16", "--batch-sizes", "1", "--dtype", "float32",
+                      "--measure", "on")
+    assert p.returncode == 0, p.stderr[-4000:]
+    rep = json.load(open(out / "report.json"))
+    s, ours = rep["speculative"]["1"], rep["measure_vs_vllm"]
+    assert s["drafts"] > 0 and ours["drafts"] > 0, rep
+    assert abs(ours["acceptance_length"] - s["acceptance_length"]) <= MEASURE_LENGTH, (ours, s)
+    assert all(abs(a - b) <= MEASURE_POSITION for a, b in zip(ours["per_position"], s["per_position"])), (ours, s)
