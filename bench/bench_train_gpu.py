@@ -20,9 +20,9 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from bench.common import REPO, deepseek_v3, result, run, save_random, stage02, wait
@@ -79,21 +79,20 @@ def summary(code, lines, world=1):
 def train(a, shape, w, model, prep, hs, vocab):
     """Stage 04 fresh, warm and (several GPUs) under torchrun, each into its own folder."""
     import torch
-    cache = f"{w}/cache_{shape}"  # XDG_CACHE_HOME: stage 04 keeps torch.compile's cache under it
-    shutil.rmtree(cache, ignore_errors=True)
+    runs = tempfile.mkdtemp(prefix="train_", dir=w)  # this call's own folder: nothing earlier is reused or deleted
+    cache = f"{runs}/cache"  # XDG_CACHE_HOME: stage 04 keeps torch.compile's cache under it, empty at first
     env = dict(os.environ, XDG_CACHE_HOME=cache, TORCH_LOGS="recompiles", PYTHONUNBUFFERED="1")
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # the run must use (and fill) the cache under `cache`
     flags = ["04_train.py", "--model-path", model, "--prepared-data", prep, "--hidden-states", hs, "--vocab-mapping",
              vocab, "--epochs", "1", "--log-every", "5", *(["--max-steps", str(a.steps)] if a.steps else [])]
     gpus = torch.cuda.device_count()
-    runs = [("fresh", [sys.executable], 1), ("warm", [sys.executable], 1)]
+    kinds = [("fresh", [sys.executable], 1), ("warm", [sys.executable], 1)]
     if gpus > 1 and not a.no_ddp:
-        runs.append(("ddp", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             str(gpus)], gpus))
+        kinds.append(("ddp", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                              str(gpus)], gpus))
     out = {}
-    for name, launcher, world in runs:
-        ck = f"{w}/ck_{shape}_{name}"
-        shutil.rmtree(ck, ignore_errors=True)  # the bench's own folder: every run starts, none resumes
+    for name, launcher, world in kinds:
+        ck = f"{runs}/ck_{name}"  # new: every run starts, none resumes
         code, lines = timed([*launcher, *flags, "--output-dir", ck], f"{a.out}/train_{shape}_{name}.log", env)
         out[name] = summary(code, lines, world)
         print(f"{shape} {name}: {json.dumps(out[name])}", flush=True)

@@ -12,9 +12,9 @@
 # 02-05), and says so; NUM_SAMPLES fixes the number. Every stage computes in the dtype that is fast here (bf16
 # where the CPU has it natively, float32 elsewhere: eagle3pipe/compute.py). vLLM's own output goes to each stage
 # folder's engine.log.
-# Outputs under data/ (prepared, hidden_states, vocab_map_8192, checkpoints, eval); a rerun resumes or
-# replaces each stage's own folder. NUM_SAMPLES, EPOCHS, NUM_PROMPTS: whole numbers >= 1; BUDGET_MIN: minutes > 0
-# (anything else, nan and inf included, is refused in one line before anything runs).
+# Outputs under data/ (prepared, hidden_states, vocab_map_8192 or with a GPU vocab_map_32768, checkpoints, eval);
+# a rerun resumes or replaces each stage's own folder. NUM_SAMPLES, EPOCHS, NUM_PROMPTS: whole numbers >= 1;
+# BUDGET_MIN: minutes > 0 (anything else, nan and inf included, is refused in one line before anything runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 whole() { [[ -z ${!1:-} || ${!1} =~ ^[1-9][0-9]{0,8}$ ]] || { echo "error: $1=${!1}: expected a whole number >= 1" >&2; exit 2; }; }
@@ -29,17 +29,18 @@ MODEL=data/models/smollm2-135m-instruct
 N=${NUM_SAMPLES:-300}
 EPOCHS=${EPOCHS:-1}
 PROMPTS=${NUM_PROMPTS:-8}
-GPU=0; STATES=(); VOCAB=data/vocab_map_8192; LAYERS=()
+GPU=0; STATES=(); DRAFT_VOCAB=8192; LAYERS=()
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   # at all the conversations a 32,768-token vocabulary and a second layer each add acceptance (docs/RECIPE.md); at
   # the CPU's few hundred the config's 8,192 and one layer stay
-  GPU=1; STATES=(--storage-dtype fp8); VOCAB=data/vocab_map_32768; LAYERS=(--num-layers 2)
+  GPU=1; STATES=(--storage-dtype fp8); DRAFT_VOCAB=32768; LAYERS=(--num-layers 2)
   total=$($PY -c 'from eagle3pipe.conversations import iter_records as r; print(sum(1 for _ in r("sharegpt")))')
   N=${NUM_SAMPLES:-$((total - 1000))}; EPOCHS=${EPOCHS:-3}; PROMPTS=${NUM_PROMPTS:-100}
   echo "quickstart: an NVIDIA GPU: training on $N of the package's $total ShareGPT conversations (the last 1,000" \
        "kept for the evaluation), $EPOCHS epochs, a two-layer draft with a 32,768-token vocabulary, hidden states in" \
        "fp8 (about 55 GB of disk for all of them); on a CPU the quickstart fits ~25 minutes instead"
 fi
+VOCAB=data/vocab_map_$DRAFT_VOCAB
 start=$(date +%s)
 stamp() { echo "quickstart: $1 done at +$(( $(date +%s) - start )) s"; }
 echo "quickstart: $N ShareGPT conversations -> SmolLM2's chat template (01) -> its hidden states (02) -> a draft" \
@@ -63,7 +64,7 @@ if [[ "$fit" =~ ^[0-9]+$ ]] && [ "$fit" -lt "$N" ]; then
   $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";        stamp "01 prepare ($N conversations)"
 fi
 $PY 02_extract_hidden_states.py --config $CFG ${STATES[@]+"${STATES[@]}"}; stamp "02 extract"
-$PY 03_build_vocab_mapping.py --config $CFG --draft-vocab-size "${VOCAB##*_}" --output-dir $VOCAB
+$PY 03_build_vocab_mapping.py --config $CFG --draft-vocab-size $DRAFT_VOCAB --output-dir $VOCAB
 stamp "03 vocab map"
 $PY 04_train.py --config $CFG --epochs "$EPOCHS" --vocab-mapping $VOCAB ${LAYERS[@]+"${LAYERS[@]}"}
 stamp "04 train"
