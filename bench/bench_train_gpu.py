@@ -3,6 +3,7 @@ random verifier (Kimi: a 4-layer DeepSeek-V3 at its width; embedded: SmolLM2-135
 assets' ShareGPT rows, then stage 04 with its default flags:
   fresh  a first run on this machine (an empty compile cache),
   warm   the same run again (the cache the first one filled: a rerun, a resume, a second run),
+  warm_fp8  the same on stage 02's fp8 states (--storage: bytes to the GPU, dequantized there),
   ddp    where the machine has several GPUs, the warm run under torchrun on all of them (the scaling ratio).
 Reported for each run: launch to the first step (this script's clock, the process's start to the log's "first step"
 line) and that line's own figure, steady tokens/s, data wait and MFU (the mean of the dense lines after the first
@@ -77,23 +78,27 @@ def summary(code, lines, world=1):
 
 
 def train(a, shape, w, model, prep, hs, vocab):
-    """Stage 04 fresh, warm and (several GPUs) under torchrun, each into its own folder."""
+    """Stage 04 fresh, warm, warm on fp8 states (`hs`: {storage: stage 02 folder}) and (several GPUs) under
+    torchrun, each into its own folder."""
     import torch
     runs = tempfile.mkdtemp(prefix="train_", dir=w)  # this call's own folder: nothing earlier is reused or deleted
     cache = f"{runs}/cache"  # XDG_CACHE_HOME: stage 04 keeps torch.compile's cache under it, empty at first
     env = dict(os.environ, XDG_CACHE_HOME=cache, TORCH_LOGS="recompiles", PYTHONUNBUFFERED="1")
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # the run must use (and fill) the cache under `cache`
-    flags = ["04_train.py", "--model-path", model, "--prepared-data", prep, "--hidden-states", hs, "--vocab-mapping",
+    flags = ["04_train.py", "--model-path", model, "--prepared-data", prep, "--vocab-mapping",
              vocab, "--epochs", "1", "--log-every", "5", *(["--max-steps", str(a.steps)] if a.steps else [])]
     gpus = torch.cuda.device_count()
-    kinds = [("fresh", [sys.executable], 1), ("warm", [sys.executable], 1)]
+    kinds = [("fresh", [sys.executable], 1, "bf16"), ("warm", [sys.executable], 1, "bf16")]
+    if "fp8" in hs:  # the same graphs (the draft sees the compute dtype either way): warm
+        kinds.append(("warm_fp8", [sys.executable], 1, "fp8"))
     if gpus > 1 and not a.no_ddp:
         kinds.append(("ddp", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                              str(gpus)], gpus))
+                              str(gpus)], gpus, "bf16"))
     out = {}
-    for name, launcher, world in kinds:
+    for name, launcher, world, storage in kinds:
         ck = f"{runs}/ck_{name}"  # new: every run starts, none resumes
-        code, lines = timed([*launcher, *flags, "--output-dir", ck], f"{a.out}/train_{shape}_{name}.log", env)
+        code, lines = timed([*launcher, *flags, "--hidden-states", hs[storage], "--output-dir", ck],
+                            f"{a.out}/train_{shape}_{name}.log", env)
         out[name] = summary(code, lines, world)
         print(f"{shape} {name}: {json.dumps(out[name])}", flush=True)
         if code:
@@ -102,6 +107,24 @@ def train(a, shape, w, model, prep, hs, vocab):
     if "ddp" in out and out["warm"]["steady_tok_s"] and out["ddp"]["steady_tok_s"]:
         out["ddp_scaling"] = round(out["ddp"]["steady_tok_s"] / out["warm"]["steady_tok_s"], 2)
     return out
+
+
+def fp8_unpack_agrees():
+    """fp8_transport.unpack on the GPU (native conversion) against the CPU's table, every byte pattern, bit for bit."""
+    import torch
+    from eagle3pipe import fp8_transport
+    torch.manual_seed(0)
+    n, h = 3, 256
+    packed = torch.randint(0, 256, (1, 64, n * (h + fp8_transport.SCALE_BYTES)), dtype=torch.uint8)
+    rows = packed.view(1, 64, n, h + 4)
+    rows[..., :h] = torch.arange(256, dtype=torch.uint8)  # every fp8 value, NaN included
+    rows[..., h:] = (torch.rand(1, 64, n, 1) * 10).view(torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32):
+        cpu = fp8_transport.unpack(packed, n, h, dtype)
+        gpu = fp8_transport.unpack(packed.cuda(), n, h, dtype).cpu()
+        if not torch.equal(cpu.view(torch.uint8), gpu.view(torch.uint8)):
+            return False
+    return True
 
 
 def main():
@@ -115,25 +138,29 @@ def main():
     ap.add_argument("--steps", type=int, default=0, help="stage 04's --max-steps (0: one whole epoch)")
     ap.add_argument("--hs-dir", default=None, help="where stage 02 writes (default --work)")
     ap.add_argument("--no-ddp", action="store_true")
+    ap.add_argument("--storage", default="bf16,fp8", help="stage 02's storage dtypes to train on (bf16 first)")
     a = ap.parse_args()
     import torch
     on_gpu = torch.cuda.is_available()
     res = {"device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "gpus": torch.cuda.device_count(),
            "torch": torch.__version__, "cpus": os.cpu_count()}
+    if on_gpu:  # fp8 batches are dequantized on the GPU in training: the same bits as a worker's CPU conversion
+        res["fp8_unpack_gpu_equals_cpu"] = fp8_unpack_agrees()
     os.makedirs(a.out, exist_ok=True)
     for shape in a.shapes.split(","):
         spec, w = SHAPES[shape], f"{a.work}/{shape}"
         model, prep, vocab = f"{w}/verifier", f"{w}/prep", f"{w}/vocab"
-        hs = f"{a.hs_dir or w}/hs_{shape}"
+        hs = {st: f"{a.hs_dir or w}/hs_{shape}" + ("" if st == "bf16" else f"_{st}") for st in a.storage.split(",")}
         os.makedirs(w, exist_ok=True)
         verifier(shape, a.assets, model)
         n = a.kimi_samples if shape == "kimi" else a.embedded_samples
         if not os.path.isfile(f"{prep}/manifest.json"):
             run([sys.executable, "01_prepare_dataset.py", "--model-path", model, "--dataset", f"{a.assets}/train.json",
                  "--num-samples", str(n), "--max-seq-len", "2048", "--output-dir", prep], f"{a.out}/{shape}_01.log")
-        if not os.path.isfile(f"{hs}/manifest.json"):
-            ids = ["--layer-ids", spec["layer_ids"]] if spec["layer_ids"] else []
-            wait(stage02(model, prep, hs, *ids), f"{shape} stage 02")
+        for st, folder in hs.items():
+            if not os.path.isfile(f"{folder}/manifest.json"):
+                ids = ["--layer-ids", spec["layer_ids"]] if spec["layer_ids"] else []
+                wait(stage02(model, prep, folder, *ids, "--storage-dtype", st), f"{shape} stage 02 ({st})")
         if not os.path.isfile(f"{vocab}/manifest.json"):
             run([sys.executable, "03_build_vocab_mapping.py", "--prepared-data", prep, "--draft-vocab-size",
                  str(spec["vocab"]), "--output-dir", vocab], f"{a.out}/{shape}_03.log")

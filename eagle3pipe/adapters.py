@@ -14,8 +14,9 @@ Why each one exists:
 - `recorded_artifacts`: speculators writes run.yaml in place (through any link); here by rename, then recorded.
 - `speculators_entry`: speculators' CLI builds its Trainer and metric logger by module-level name; the pipeline's
   Trainer subclass and dense log line go in there for the run.
-- `online_dataset`: speculators' loaders build `ArrowDataset` and `_worker_init_fn` by module-level name; the
-  online mode's batch-fetching dataset and worker hook go in there for the run.
+- `loader_dataset`: speculators' loaders build `ArrowDataset` and `_worker_init_fn` by module-level name; the
+  online mode's batch-fetching dataset and worker hook go in there for the run, and offline fp8 training's dataset
+  of uint8 states (fp8_transport.py: the stored bytes travel to the GPU, dequantized there).
 - `mla_draft_layer`: speculators builds a draft's decoder layer from `model_classes[<layer config's model_type>]`;
   the MLA draft's classes (mla_draft.py) go in there for the run.
 - `close_engine`: a vLLM engine's processes stop when its LLM object is collected, and vLLM's start-up keeps a
@@ -72,6 +73,10 @@ PRIVATE = {
         ("speculators/train/dataloader.py", r"\ndef _worker_init_fn\(", "speculators.train.dataloader._worker_init_fn"),
         ("speculators/train/dataloader.py", r"\bArrowDataset\(", "speculators.train.dataloader.ArrowDataset (built "
                                                                    "by name)"),
+        ("speculators/train/dataloader.py", r"dtype=dataset\.hidden_states_dtype", "the collate's states dtype is "
+                                                                                  "the dataset's (fp8 bytes as uint8)"),
+        ("speculators/train/data.py", r"buffer_dtype = dtype if \"hidden_states\" in key", "CollateFn writes states "
+                                                                                       "into a buffer of that dtype"),
         ("speculators/train/data.py", r"def _map_to_file_idx\(", "ArrowDataset._map_to_file_idx"),
         ("speculators/train/data.py", r"def _setup_client\(", "ArrowDataset._setup_client"),
         ("speculators/train/data.py", r"def _generate_hidden_states_once\(", "ArrowDataset._generate_hidden_states_once"),
@@ -349,11 +354,14 @@ def speculators_entry(trainer_class, metric_handler=None, own_metric_lines=True)
 
 
 @contextlib.contextmanager
-def online_dataset(dataset_class, worker_init):
-    """speculators' loaders build `dataset_class` and start each worker with `worker_init` (which calls
+def loader_dataset(dataset_class, worker_init=None):
+    """speculators' loaders build `dataset_class` and, if given, start each worker with `worker_init` (which calls
     `original(sdl, "_worker_init_fn")`, speculators' own, first)."""
     import speculators.train.dataloader as sdl
-    with patch(sdl, "ArrowDataset", dataset_class), patch(sdl, "_worker_init_fn", worker_init):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patch(sdl, "ArrowDataset", dataset_class))
+        if worker_init is not None:
+            stack.enter_context(patch(sdl, "_worker_init_fn", worker_init))
         yield
 
 

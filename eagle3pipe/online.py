@@ -67,6 +67,9 @@ class Session:
     def loaders(self):
         return sample_cache.loaders()
 
+    def batch_step(self, device):
+        return None  # the engine's states reach the trainer in the compute dtype
+
     def summary(self):
         return {"online": sample_cache.summary(self.out, self.plan)}
 

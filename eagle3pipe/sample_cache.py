@@ -256,8 +256,8 @@ _transfer = [None]
 
 def loaders():
     """For training.run: speculators' loaders build OnlineArrowDataset and start workers with worker_init."""
-    from .adapters import online_dataset
-    return online_dataset(dataset_class(), worker_init)
+    from .adapters import loader_dataset
+    return loader_dataset(dataset_class(), worker_init)
 
 
 def summary(out, p):

@@ -9,7 +9,7 @@ import logging
 import os
 import time
 
-from . import files, outdir
+from . import files, fp8_transport, outdir
 from .errors import RunError, UsageError
 from .files import STAGE_SCRIPTS, load_stage
 from .hidden_states import SCALES, check_header, fp8_to, hs_path, load_sample, read_token_ids, verify_crc
@@ -132,9 +132,9 @@ class CheckedFiles:
     step 1. A bad sample is skipped and logged in logs/skipped.jsonl; more than MAX_BAD_SHARE of the rows (and more
     than one) stop the run with one line. Picklable: data-loader workers get a copy."""
 
-    def __init__(self, folder, n_states, hidden, skipped_log, rows, dtype="bfloat16", failed=()):
+    def __init__(self, folder, n_states, hidden, skipped_log, rows, dtype="bfloat16", failed=(), packed=False):
         self.folder, self.n_states, self.hidden, self.skipped_log = folder, n_states, hidden, skipped_log
-        self.rows, self.dtype, self.failed = rows, dtype, frozenset(failed)
+        self.rows, self.dtype, self.failed, self.packed = rows, dtype, frozenset(failed), packed
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -154,7 +154,9 @@ class CheckedFiles:
             self.skip(int(file_idx), reason)
             return None
         states = t["hidden_states"]  # [T, L+1, H]
-        if SCALES in t:  # fp8 on disk: the trainer sees the compute dtype, as speculators' FP8Transfer computes it
+        if SCALES in t and self.packed:  # fp8 on disk: its bytes go on, dequantized on the GPU (fp8_transport.py)
+            states = fp8_transport.pack(states, t[SCALES])  # uint8 [T, L+1, H+4]
+        elif SCALES in t:  # the trainer sees the compute dtype, as speculators' FP8Transfer computes it
             import torch
             states = fp8_to(states, t[SCALES], getattr(torch, self.dtype))
         return {"hidden_states": states, "token_ids": t["token_ids"]}
@@ -214,14 +216,29 @@ class OfflineData:
         wait_for_bridge(self.bridge)
         install_checked(CheckedFiles(os.path.abspath(self.args.hidden_states), len(self.states.layer_ids),
                                      self.states.hidden_size, os.path.join(self.out, "logs", files.SKIPPED),
-                                     len(self.rows), self.dtype, set(self.states.failed)))
+                                     len(self.rows), self.dtype, set(self.states.failed), packed=self.fp8))
         return self
 
     def __exit__(self, *exc):
         pass
 
+    @property
+    def fp8(self):
+        return self.states.storage_dtype == "fp8"
+
     def loaders(self):
-        return None
+        """fp8: speculators' loaders collate the stored bytes (fp8_transport.py); bf16: as they are."""
+        if not self.fp8:
+            return None
+        from .adapters import loader_dataset
+        return loader_dataset(fp8_transport.dataset_class())
+
+    def batch_step(self, device):
+        """What the training process does to each batch before the trainer sees it (fp8: moved to `device` and
+        dequantized there), or None."""
+        if not self.fp8:
+            return None
+        return fp8_transport.Unpack(device, len(self.states.aux), self.states.hidden_size, self.dtype)
 
     def summary(self):
         return {"skipped_samples": skipped_rows(self.out)}

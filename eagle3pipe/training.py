@@ -234,7 +234,7 @@ def acknowledged_signals(again_after=2.0):
             signal.signal(s, h)
 
 
-def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, dtype="bfloat16"):
+def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, dtype="bfloat16", batch_step=None):
     from speculators.train.trainer import Trainer
 
     class PipelineTrainer(Trainer):
@@ -243,10 +243,11 @@ def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, 
                 self.local_rank, self.device_type = "cpu", "cpu"
             super().setup_model()
             from .input_watch import BatchGuard  # a batch of no token is named and counted, never trained on silently
-            self.train_loader = BatchGuard(self.train_loader)
+            step = batch_step(self.local_rank) if batch_step else None  # fp8: dequantized on the GPU
+            self.train_loader = BatchGuard(self.train_loader, step=step)
             dense_log.clock = self.train_loader.clock  # tok/s and data wait on our clock, around the loader
             if self.val_loader is not None:
-                self.val_loader = BatchGuard(self.val_loader, "validation")
+                self.val_loader = BatchGuard(self.val_loader, "validation", step=step)
             steps = len(self.train_loader) * self.config.num_epochs
             dense_log.total = min(steps, max_steps) if max_steps else steps
             import torch
@@ -381,11 +382,12 @@ def fused_loss_fails(draft_vocab, ttt_steps, loss_fn="kl_div", tokens=256):
         torch._dynamo.reset()
 
 
-def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None):
+def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_step=None):
     """speculators' own training entry point, with our Trainer subclass and dense log attached (adapters.py, for the
     run only); `dtype` the compute dtype (train_config's); `loaders`: a context that adapts speculators' data loaders
     for the run (online.loaders), or None; `measure`: validation_measure.Measure choosing checkpoint_best, or None
-    (the trainer's estimate chooses it)."""
+    (the trainer's estimate chooses it); `batch_step(device)`: what each batch goes through before the trainer
+    (train_data.OfflineData.batch_step), or None."""
     from . import adapters, lifeline
     import warnings
     lifeline.start()  # data-loader and compile workers die with the stage too, however it ends
@@ -396,7 +398,7 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None):
     if int(os.environ.get("RANK", "0")) == 0:
         os.close(outdir.open_append(os.path.join(logs, "metrics.jsonl")))  # refused now, not after an epoch
     dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"))
-    trainer_cls = make_trainer_class(dense, on_cpu, args.max_steps, measure, args.ttt_steps, dtype)
+    trainer_cls = make_trainer_class(dense, on_cpu, args.max_steps, measure, args.ttt_steps, dtype, batch_step)
     holder = {}
 
     class Recording(trainer_cls):

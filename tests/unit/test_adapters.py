@@ -39,7 +39,7 @@ def test_every_replacement_is_undone_when_its_block_ends():
         pass
     with pytest.raises(RuntimeError, match="inside"):  # undone on an exception too
         with adapters.cpu_without_accelerator(), adapters.speculators_entry(Sub, own_metric_lines=False), \
-                adapters.online_dataset(object, print), adapters.recorded_artifacts(TrainConfig):
+                adapters.loader_dataset(object, print), adapters.recorded_artifacts(TrainConfig):
             assert scli.Trainer is Sub and sdl.ArrowDataset is object and sdl._worker_init_fn is print
             assert adapters.original(sdl, "_worker_init_fn") is before[5]  # what a forked worker calls
             if torch.accelerator.current_accelerator() is None:

@@ -1,0 +1,73 @@
+"""fp8 states travel as bytes (fp8_transport.py): through speculators' own dataset and collate, a packed batch
+dequantized where the trainer runs equals, bit for bit, the batch the workers used to dequantize themselves, in each
+compute dtype, with samples of different lengths, a missing sample, padding and an all-empty batch; and it moves half
+the bytes. (Stage 04 on an fp8 folder with a spawned data-loader worker: tests/slow/test_shards.py.)"""
+import datasets
+import pytest
+import torch
+from speculators.train.data import ArrowDataset, CollateFn
+
+from eagle3pipe import fp8_transport
+from eagle3pipe import hidden_states as hs
+from eagle3pipe.train_data import CheckedFiles
+
+L, H, N = 3, 48, 160  # states per token (2 auxiliary + the last), hidden size, a batch's packed tokens
+LENGTHS = (37, 0, 61, 50)  # row 1 has no file (stage 02 could not extract it): speculators skips it
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fp8")
+    torch.manual_seed(0)
+    rows = []
+    for i, t in enumerate(LENGTHS):
+        ids = torch.randint(0, 1000, (max(t, 1),))
+        rows.append(ids.tolist())
+        if t:
+            x = torch.randn(t, L, H) * torch.tensor([1.0, 40.0, 900.0]).view(1, L, 1)
+            q, scale = hs.quantize_fp8(x)
+            hs.save(hs.hs_path(d, i), {"hidden_states": q, hs.SCALES: scale, "token_ids": ids})
+    ds = datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows],
+                                     "seq_len": [len(r) for r in rows]})
+    ds.set_format(type="torch")
+    ds.save_to_disk(str(d / "table"))
+    return d
+
+
+def batch(folder, dataset_class, packed, dtype, indices):
+    """One batch as speculators' loader makes it: the dataset's items, then its collate."""
+    transfer = CheckedFiles(str(folder), L, H, str(folder / "skipped.jsonl"), rows=len(LENGTHS), dtype=dtype,
+                            failed={1}, packed=packed)
+    ds = dataset_class(max_len=N, datapath=str(folder / "table"), transfer=transfer, on_missing="skip",
+                       hidden_states_dtype=getattr(torch, dtype))
+    collate = CollateFn(N, H, num_target_layers=L - 1, dtype=ds.hidden_states_dtype)
+    return collate([ds[i] for i in indices])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("indices", [[0, 1, 2], [2, 3, 0], [1]])  # padded; truncated at N; every sample missing
+def test_bytes_dequantized_by_the_trainer_equal_the_workers_conversion(folder, dtype, indices):
+    before = batch(folder, ArrowDataset, False, dtype, indices)
+    packed = batch(folder, fp8_transport.dataset_class(), True, dtype, indices)
+    if indices != [1]:  # bytes: one per value and four per token and state, against bf16's two per value
+        assert packed["hidden_states"].dtype == torch.uint8
+        assert packed["hidden_states"].nbytes < 0.55 * before["hidden_states"].to(torch.bfloat16).nbytes
+    after = fp8_transport.Unpack("cpu", L - 1, H, dtype)(packed)
+    assert set(after) == set(before)
+    for key, want in before.items():
+        got = after[key]
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype and got.shape == want.shape, key
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), key  # bit for bit
+        else:
+            assert got == want, key
+    if indices == [1]:
+        assert not after["hidden_states"].any() and (after["document_ids"] == -1).all()
+
+
+def test_a_batch_of_another_shape_is_refused():
+    with pytest.raises(ValueError, match="expected uint8 2 x"):
+        fp8_transport.unpack(torch.zeros(1, 4, 2 * H + 3, dtype=torch.uint8), 2, H, torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        fp8_transport.unpack(torch.zeros(1, 4, 2 * (H + 4), dtype=torch.bfloat16), 2, H, torch.bfloat16)
+
