@@ -17,6 +17,9 @@ Why each one exists:
 - `loader_dataset`: speculators' loaders build `ArrowDataset` and `_worker_init_fn` by module-level name; the
   online mode's batch-fetching dataset and worker hook go in there for the run, and offline fp8 training's dataset
   of uint8 states (fp8_transport.py: the stored bytes travel to the GPU, dequantized there).
+- `loader_workers`: speculators' loaders build `DataLoader` by module-level name with `multiprocessing_context=
+  "spawn"`; offline training's workers start from a fork server that has already imported what they need
+  (warm_start.py: the first batch waited 23-39 s for a dozen spawned interpreters at Kimi's width).
 - `mla_draft_layer`: speculators builds a draft's decoder layer from `model_classes[<layer config's model_type>]`;
   the MLA draft's classes (mla_draft.py) go in there for the run.
 - `close_engine`: a vLLM engine's processes stop when its LLM object is collected, and vLLM's start-up keeps a
@@ -49,9 +52,9 @@ PINNED = {"speculators": "0.9.0", "vllm": "0.32.0", "torch": "2.13.0"}  # what r
 # or writes these of its attributes: a rename would silently skip our override (checkpoint_best back to the lowest
 # loss, saves no longer staged) or write a name nothing reads
 TRAINER_OVERRIDES = ("setup_model", "setup_trainer", "train_epoch", "run_training", "maybe_save_checkpoint",
-                     "maybe_update_best")
+                     "maybe_update_best", "val_epoch")
 TRAINER_ATTRS = ("best_val_loss", "checkpointer", "global_step", "train_loader", "val_loader", "local_rank",
-                 "device_type", "model", "rank", "config")
+                 "device_type", "model", "rank", "config", "is_distributed")
 
 # (distribution, file in it, what must be there): every private name of another library the pipeline relies on
 PRIVATE = {
@@ -73,6 +76,11 @@ PRIVATE = {
         ("speculators/train/dataloader.py", r"\ndef _worker_init_fn\(", "speculators.train.dataloader._worker_init_fn"),
         ("speculators/train/dataloader.py", r"\bArrowDataset\(", "speculators.train.dataloader.ArrowDataset (built "
                                                                    "by name)"),
+        ("speculators/train/dataloader.py", r"return DataLoader\(", "speculators.train.dataloader.DataLoader (built "
+                                                                     "by name)"),
+        ("speculators/train/dataloader.py", r'multiprocessing_context="spawn"', "the loaders' worker start method"),
+        ("speculators/train/trainer.py", r"fsdp_shard: bool", "TrainerConfig.fsdp_shard"),
+        ("speculators/train/trainer.py", r"self\.model\.eval\(\)", "val_epoch's model.eval() (validation as trained)"),
         ("speculators/train/dataloader.py", r"dtype=dataset\.hidden_states_dtype", "the collate's states dtype is "
                                                                                   "the dataset's (fp8 bytes as uint8)"),
         ("speculators/train/data.py", r"buffer_dtype = dtype if \"hidden_states\" in key", "CollateFn writes states "
@@ -362,6 +370,23 @@ def loader_dataset(dataset_class, worker_init=None):
         stack.enter_context(patch(sdl, "ArrowDataset", dataset_class))
         if worker_init is not None:
             stack.enter_context(patch(sdl, "_worker_init_fn", worker_init))
+        yield
+
+
+@contextlib.contextmanager
+def loader_workers(context):
+    """speculators' loaders start their workers with `context` (a multiprocessing context) where they ask for
+    "spawn"."""
+    import speculators.train.dataloader as sdl
+    base = sdl.DataLoader
+
+    class DataLoader(base):
+        def __init__(self, *args, multiprocessing_context=None, **kwargs):
+            if multiprocessing_context == "spawn":
+                multiprocessing_context = context
+            super().__init__(*args, multiprocessing_context=multiprocessing_context, **kwargs)
+
+    with patch(sdl, "DataLoader", DataLoader):
         yield
 
 

@@ -46,7 +46,9 @@ def distrust(path):
 
 def prepare():
     """Point torch.compile's cache (and Triton's, inside it, unless TRITON_CACHE_DIR is set) at a folder this user
-    owns, before anything compiles. -> (the folder, True if it persists between runs)."""
+    owns, before anything compiles and before torch._dynamo is imported: its import sets TORCHINDUCTOR_CACHE_DIR,
+    when unset, to torch's default in /tmp, which would then read here as the user's choice (stage 04 calls this from
+    train_plan.confirm_device, right after `import torch`). -> (the folder, True if it persists between runs)."""
     path = os.path.abspath(os.environ.get(ENV) or default_dir())
     why = distrust(path)
     if why is None:

@@ -321,4 +321,10 @@ def confirm_device(s, p, rank):
         log.info(dtype.describe())
         if dtype.warning:
             log.warning(dtype.warning)
+    if not on_cpu:  # on a GPU speculators compiles the draft's step. Chosen before torch._dynamo is imported (by
+        from . import compile_cache  # speculators): that import writes torch's default, in /tmp, into the setting
+        where, kept = compile_cache.prepare()
+        if rank == 0:
+            log.info(f"torch.compile cache: {where}" + (" (a rerun, a resume or another run here reuses it)" if kept
+                                                        else ""))
     return on_cpu, dtype

@@ -267,6 +267,17 @@ def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, 
                 self.config = self.config._replace(num_epochs=min(self.config.num_epochs, need))
             return super().run_training()
 
+        def val_epoch(self, epoch):
+            from . import warm_start  # through the training step's compiled graphs (warm_start.py says why)
+            validating = warm_start.for_validation(self.model, self.is_distributed and self.config.fsdp_shard)
+            if validating is None:
+                return super().val_epoch(epoch)
+            model, self.model = self.model, validating
+            try:
+                return super().val_epoch(epoch)
+            finally:
+                self.model = model
+
         def maybe_save_checkpoint(self, epoch, local_step=0):
             checkpoints.save(self, epoch, local_step, super().maybe_save_checkpoint)
 
@@ -292,10 +303,6 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16
     float32 turns autocast off (it knows only bf16/fp16) and the draft, whose master weights speculators keeps in
     float32 anyway, computes in float32; the checkpoint is saved bf16 either way."""
     from speculators.train.config import TrainConfig
-    if not on_cpu:  # before anything compiles (the loss probe below, the draft's step): compile_cache.py says why
-        from . import compile_cache
-        where, kept = compile_cache.prepare()
-        log.info(f"torch.compile cache: {where}" + (" (a rerun, a resume or another run here reuses it)" if kept else ""))
     # GPU: up to 12 workers per rank (speculators' default) but no more than the cores each rank has: reading
     # per-sample files is most of a step's input cost. CPU: none, the training step already uses every core.
     per_rank = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -416,6 +423,9 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_s
             stack.enter_context(adapters.cpu_without_accelerator())
         if loaders is not None:
             stack.enter_context(loaders)
+        if cfg.data.num_workers and not args.online:  # started now, its imports run while the model loads
+            from . import warm_start
+            stack.enter_context(adapters.loader_workers(warm_start.WorkerServer().start().context))
         for ctx in (adapters.muon_in_float32(dtype), adapters.recorded_artifacts(type(cfg)), adapters.mla_draft_layer(),
                     acknowledged_signals()):
             stack.enter_context(ctx)

@@ -343,6 +343,9 @@ def reached(point, err, mark):
         return len(spawned) >= 2
     if point == "hf-loading":
         return any("eagle3pipe.hf_server" in c for c in cmds)
+    if point == "worker-server":  # stage 04 has trained a step on batches from workers forked by its fork server
+        forked = [c for c in cmds if "multiprocessing.forkserver import main" in c]  # the server and its workers
+        return len(forked) >= 2 and "step 1/" in err.read_text(errors="replace")
     text = err.read_text(errors="replace")
     return {"vllm-ready": "vLLM engine ready", "hf-ready": "extraction engine (hf, pid", "step": "step 1/"}[point] in text
 
