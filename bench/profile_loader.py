@@ -68,12 +68,18 @@ def main():
                 from hs_connectors.fp8_utils import dequantize_fp8_tensor
                 steps["before: fp8 -> bf16 (speculators')"], _ = timed(
                     lambda: dequantize_fp8_tensor(got["hidden_states"], got[hs.SCALES], dtype=torch.bfloat16), a.reps)
-                steps["now: fp8 -> bf16 (table)"], _ = timed(
+                steps["then: fp8 -> bf16 (table)"], _ = timed(
                     lambda: hs.fp8_to(got["hidden_states"], got[hs.SCALES], torch.bfloat16), a.reps)
+                from eagle3pipe import fp8_transport  # stage 04 now: bytes on, dequantized on the GPU
+                steps["now: fp8 bytes + scales packed"], _ = timed(
+                    lambda: fp8_transport.pack(got["hidden_states"], got[hs.SCALES]), a.reps)
             steps["load_sample (all checks)"], _ = timed(lambda: hs.load_sample(path, a.states, a.hidden), a.reps)
             cf = CheckedFiles(d, a.states, a.hidden, os.path.join(d, "skipped.jsonl"), rows=2)
-            steps["get_cached (what a worker does)"], _ = timed(lambda: cf.get_cached(0 if storage == "bf16" else 1),
-                                                                a.reps)
+            steps["get_cached (what a worker did)" if storage == "fp8" else "get_cached (what a worker does)"], _ = \
+                timed(lambda: cf.get_cached(0 if storage == "bf16" else 1), a.reps)
+            if storage == "fp8":  # stage 04 reads an fp8 folder with packed=True (fp8_transport.py)
+                cf = CheckedFiles(d, a.states, a.hidden, os.path.join(d, "skipped.jsonl"), rows=2, packed=True)
+                steps["get_cached (what a worker does)"], _ = timed(lambda: cf.get_cached(1), a.reps)
             print(f"\n{storage}: {size / 1e6:.1f} MB a sample")
             print(f"  {'step':38s} {'ms':>8s} {'GB/s':>7s} {'k tok/s':>8s}")
             for name, s in steps.items():

@@ -9,7 +9,8 @@ step moves: speculators' collate, the shared memory between worker and trainer, 
   flatten the others as it does for bf16);
 - speculators' collate copies those bytes into a uint8 batch (`ByteDataset`: the dataset's states dtype is uint8);
 - the training process moves the batch to the GPU and dequantizes it there (`Unpack`), computing what speculators'
-  FP8Transfer computes on the host, `q.to(dtype) * scale.to(dtype)`, bit for bit (tests/unit/test_fp8_transport.py).
+  FP8Transfer computes on the host, `q.to(dtype) * scale.to(dtype)`, bit for bit (tests/unit/test_fp8_transport.py;
+  on an H200 against the CPU's table, every byte pattern: NaN payloads aside, and stage 02 writes no NaN code).
 
 Shapes, with N the batch's packed token count (speculators' `total_seq_len`) and L the auxiliary layers:
     worker:      hidden_states [T, L+1, H] fp8 + scales [T, 1, 1] fp32  ->  uint8 [T, L+1, H+4]

@@ -9,7 +9,10 @@ while a training step takes 0.45 s. Two causes, one remedy each:
   once contending for the cores, and the first batch waits for the first of them. Instead a fork server (the
   standard library's `forkserver` start method) is started as soon as training begins, imports those modules once
   while the draft and the verifier's weights load, and forks each worker from that warm state. What reaches a worker
-  is unchanged (pickled as for spawn); the server never touches a GPU (it forks before anything could).
+  is unchanged (pickled as for spawn); the server never touches a GPU (it forks before anything could). The workers
+  are the server's children, not the stage's, and each holds the server's liveness pipe, so neither notices the
+  stage's death by itself: the stage's lifeline (lifeline.py, started before the server) ends them with it, however
+  it ends (tests/reliability/test_lifeline.py kills stage 04 mid-training).
 - **Validation runs the training step's compiled graphs** (`ValidateAsTrained`). speculators validates under
   `torch.no_grad()` and `model.eval()`; on a GPU, where it compiles the draft's forward, grad mode is part of
   torch.compile's guards, so the first validation of every run compiled every graph of the draft again (12 of them,
