@@ -56,7 +56,8 @@ def child(a):
     import torch
     ctx = contextlib.ExitStack()
     if a.child == "warm":
-        ctx.enter_context(adapters.loader_workers(warm_start.WorkerServer().start().context))
+        server = warm_start.WorkerServer().start()
+        ctx.enter_context(adapters.loader_workers(server.context, warm_start.worker_init))
         time.sleep(max(0.0, a.overlap - (time.perf_counter() - t_start)))  # the model's load, which it overlaps
     import speculators.train.dataloader as sdl
     from speculators.train.data import ArrowDataset
@@ -67,7 +68,8 @@ def child(a):
              hidden_states_dtype=torch.bfloat16)
     t0 = time.perf_counter()
     if a.child == "cold":
-        ctx.enter_context(adapters.loader_workers(warm_start.WorkerServer().start().context))
+        server = warm_start.WorkerServer().start()
+        ctx.enter_context(adapters.loader_workers(server.context, warm_start.worker_init))
     with ctx:
         loader = sdl._setup_dataloader(ds, SEQ, H, num_workers=a.workers, num_target_layers=STATES - 1)
         batch = next(iter(loader))

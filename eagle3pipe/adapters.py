@@ -79,6 +79,7 @@ PRIVATE = {
         ("speculators/train/dataloader.py", r"return DataLoader\(", "speculators.train.dataloader.DataLoader (built "
                                                                      "by name)"),
         ("speculators/train/dataloader.py", r'multiprocessing_context="spawn"', "the loaders' worker start method"),
+        ("speculators/train/dataloader.py", r"worker_init_fn=_worker_init_fn", "the loaders' worker init"),
         ("speculators/train/trainer.py", r"fsdp_shard: bool", "TrainerConfig.fsdp_shard"),
         ("speculators/train/trainer.py", r"self\.model\.eval\(\)", "val_epoch's model.eval() (validation as trained)"),
         ("speculators/train/dataloader.py", r"dtype=dataset\.hidden_states_dtype", "the collate's states dtype is "
@@ -374,17 +375,22 @@ def loader_dataset(dataset_class, worker_init=None):
 
 
 @contextlib.contextmanager
-def loader_workers(context):
-    """speculators' loaders start their workers with `context` (a multiprocessing context) where they ask for
-    "spawn"."""
+def loader_workers(context_of, worker_init):
+    """speculators' loaders start their workers from `context_of()` (a multiprocessing context, asked when each
+    loader is built; None: "spawn", as speculators asks) and, from that context, with `worker_init` in place of
+    speculators' own worker init."""
     import speculators.train.dataloader as sdl
-    base = sdl.DataLoader
+    base, theirs = sdl.DataLoader, sdl._worker_init_fn
 
     class DataLoader(base):
-        def __init__(self, *args, multiprocessing_context=None, **kwargs):
+        def __init__(self, *args, multiprocessing_context=None, worker_init_fn=None, **kwargs):
             if multiprocessing_context == "spawn":
-                multiprocessing_context = context
-            super().__init__(*args, multiprocessing_context=multiprocessing_context, **kwargs)
+                context = context_of()
+                if context is not None:
+                    multiprocessing_context = context
+                    worker_init_fn = worker_init if worker_init_fn is theirs else worker_init_fn
+            super().__init__(*args, multiprocessing_context=multiprocessing_context, worker_init_fn=worker_init_fn,
+                             **kwargs)
 
     with patch(sdl, "DataLoader", DataLoader):
         yield

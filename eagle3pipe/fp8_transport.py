@@ -51,7 +51,7 @@ def unpack(packed, n_rows, hidden, dtype):
     q = rows[..., :hidden].view(torch.float8_e4m3fn)  # same item size: a view of the strided slice, no copy
     scale = rows[..., hidden:].contiguous().view(torch.float32)  # [..., n_rows, 1]
     # the GPU converts fp8 natively; a CPU gathers from the 256 possible values (hidden_states.fp8_to), same bits
-    out = q.to(dtype) * scale.to(dtype) if packed.is_cuda else fp8_to(q, scale, dtype)
+    out = q.to(dtype).mul_(scale.to(dtype)) if packed.is_cuda else fp8_to(q, scale, dtype)  # one full-size tensor
     return out.reshape(*lead, n_rows * hidden)
 
 

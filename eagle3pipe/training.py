@@ -425,7 +425,8 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_s
             stack.enter_context(loaders)
         if cfg.data.num_workers and not args.online:  # started now, its imports run while the model loads
             from . import warm_start
-            stack.enter_context(adapters.loader_workers(warm_start.WorkerServer().start().context))
+            server = warm_start.WorkerServer().start()
+            stack.enter_context(adapters.loader_workers(server.context, warm_start.worker_init))
         for ctx in (adapters.muon_in_float32(dtype), adapters.recorded_artifacts(type(cfg)), adapters.mla_draft_layer(),
                     acknowledged_signals()):
             stack.enter_context(ctx)

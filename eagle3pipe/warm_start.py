@@ -9,7 +9,9 @@ while a training step takes 0.45 s. Two causes, one remedy each:
   once contending for the cores, and the first batch waits for the first of them. Instead a fork server (the
   standard library's `forkserver` start method) is started as soon as training begins, imports those modules once
   while the draft and the verifier's weights load, and forks each worker from that warm state. What reaches a worker
-  is unchanged (pickled as for spawn); the server never touches a GPU (it forks before anything could). The workers
+  is unchanged (pickled as for spawn). The server asks for GPUs through NVML, which leaves its forked children free
+  to use CUDA (they do not: their init only limits threads), and a probe worker forked from it must answer before the
+  loaders use it; otherwise one warning line, and the workers are spawned as before. The workers
   are the server's children, not the stage's, and each holds the server's liveness pipe, so neither notices the
   stage's death by itself: the stage's lifeline (lifeline.py, started before the server) ends them with it, however
   it ends (tests/reliability/test_lifeline.py kills stage 04 mid-training).
@@ -21,29 +23,120 @@ while a training step takes 0.45 s. Two causes, one remedy each:
   mode computes only without dropout: every draft the pipeline trains has none, and a model with any active dropout
   is validated speculators' way.
 """
+import contextlib
 import logging
 import multiprocessing
+import os
+import threading
 
 log = logging.getLogger("eagle3")
 
 # what a worker imports to unpickle its dataset, transfer and collate (speculators' and ours) and run its init
 WORKER_MODULES = ("torch", "datasets", "speculators.train.data", "speculators.train.dataloader",
-                  "eagle3pipe.train_data", "eagle3pipe.fp8_transport")
+                  "eagle3pipe.train_data", "eagle3pipe.fp8_transport", "eagle3pipe.warm_start")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROBE_DEADLINE = 300  # seconds for the server's imports and one forked worker's answer
+
+
+def server_env():
+    """The server's environment beside the stage's: CUDA's availability asked through NVML (torch's `cudaGetDeviceCount`
+    would initialise the driver in the server and leave every process forked from it unable to use CUDA: "poisoned");
+    one thread per pool, as speculators sets for its spawned workers; this repository on the path (the standard
+    library's server does not take the stage's sys.path)."""
+    path = os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1", "PYTHONPATH": path}
+
+
+@contextlib.contextmanager
+def _environ(values):
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def worker_init(worker_id):
+    """A forked worker's start: one intra-op thread (speculators' own init also binds each worker to the rank's GPU,
+    which a worker never uses and which a process forked after torch looked for GPUs may not do)."""
+    import torch
+    torch.set_num_threads(1)
+
+
+def _probe(conn):
+    """What a worker does first, in a process forked from the server: its init, and a tensor handed back through
+    shared memory as a batch is (it stays until the tensor is received: its memory is passed by descriptor)."""
+    from . import faults
+    faults.kill_point("worker-probe")
+    import torch
+    worker_init(0)
+    conn.send(torch.arange(8, dtype=torch.int64))
+    conn.poll(60)
 
 
 class WorkerServer:
     """The fork server the run's data-loader workers start from. `start()` launches it (its imports then run beside
-    the main process's); `context` is what speculators' loaders get instead of "spawn" (adapters.loader_workers)."""
+    the main process's) and, in a thread, forks one probe worker from it; `context()` is what speculators' loaders
+    get instead of "spawn" (adapters.loader_workers): the server's context once the probe has answered, else None
+    and one warning line (the loaders then spawn their workers as speculators does)."""
 
-    def __init__(self, modules=WORKER_MODULES):
-        self.context = multiprocessing.get_context("forkserver")
-        self.modules = list(modules)
+    def __init__(self, modules=WORKER_MODULES, deadline=PROBE_DEADLINE):
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.modules, self.deadline, self.why, self.thread = list(modules), deadline, None, None
 
     def start(self):
         from multiprocessing import forkserver
-        self.context.set_forkserver_preload(self.modules)
-        forkserver.ensure_running()  # returns at once: the server imports while the model loads
+        self.ctx.set_forkserver_preload(self.modules)
+        try:
+            with _environ(server_env()):
+                forkserver.ensure_running()  # returns at once: the server imports while the model loads
+        except OSError as e:
+            self.why = f"the fork server did not start ({e})"
+            return self
+        self.thread = threading.Thread(target=self._check, name="worker-server-probe", daemon=True)
+        self.thread.start()
         return self
+
+    def _check(self):
+        ours, theirs = self.ctx.Pipe()
+        proc = self.ctx.Process(target=_probe, args=(theirs,), daemon=True)
+        try:
+            proc.start()
+            theirs.close()
+            got = ours.recv() if ours.poll(self.deadline) else None  # EOF (the worker died) raises EOFError
+            if got is None:
+                self.why = f"its probe worker did not answer within {self.deadline} s"
+            elif int(got.sum()) != 28:
+                self.why = "its probe worker's tensor came back wrong"
+            ours.send("ok")
+        except EOFError:
+            proc.join(10)
+            self.why = f"its probe worker died (exit code {proc.exitcode})"
+        except Exception as e:  # noqa: BLE001 - any failure means: spawn the workers instead, and say why
+            self.why = f"{type(e).__name__}: {str(e)[:200]}"
+        finally:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+            ours.close()
+
+    def context(self):
+        """The context to start workers from, or None (spawn them), waiting for the probe up to its deadline."""
+        if self.thread is not None:
+            self.thread.join(self.deadline + 10)
+            if self.thread.is_alive():
+                self.why = self.why or f"its probe did not finish within {self.deadline} s"
+        if self.why:
+            log.warning(f"data-loader workers: the fork server is not used ({self.why}); they are spawned, as "
+                        f"speculators does, and the first batch waits for their imports")
+            self.thread, self.why, self.ctx = None, None, None
+        return self.ctx
 
 
 def dropout_free(model):

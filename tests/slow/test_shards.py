@@ -69,8 +69,9 @@ def test_fp8_storage_halves_the_disk_and_trains(prep, hf_out, model_path, tmp_pa
     p, _ = run_script("04_train.py", "--model-path", model_path, "--prepared-data", str(prep), "--hidden-states",
                       str(out), "--vocab-mapping", str(tmp_path / "vocab"), "--output-dir", str(tmp_path / "ck"),
                       "--max-steps", "3", "--epochs", "50", "--total-seq-len", "512",
-                      "--num-workers", "1")  # a spawned worker hands on fp8 bytes (fp8_transport.ByteDataset)
+                      "--num-workers", "1")  # a worker hands on fp8 bytes (fp8_transport.ByteDataset)
     assert p.returncode == 0, p.stderr
+    assert "fork server is not used" not in p.stderr  # the worker forked from stage 04's warm server
     man = json.load(open(tmp_path / "ck" / "manifest.json"))
     assert man["steps"] == 3 and man["speculators_config"]["hidden_states_backend"] == "eagle3pipe-checked"
     # --max-steps ends the run: no empty epochs, each with its own checkpoint and validation, after it

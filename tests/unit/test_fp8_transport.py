@@ -71,3 +71,17 @@ def test_a_batch_of_another_shape_is_refused():
     with pytest.raises(ValueError, match="bfloat16"):
         fp8_transport.unpack(torch.zeros(1, 4, 2 * (H + 4), dtype=torch.bfloat16), 2, H, torch.bfloat16)
 
+
+
+def test_a_bf16_file_in_an_fp8_folder_is_skipped_by_name(folder, tmp_path):
+    """Batches of an fp8 folder are collated as bytes: a file of another dtype there (not stage 02's) is a bad
+    sample, named in logs/skipped.jsonl, not a crashed worker or a batch silently zeroed."""
+    import shutil
+    for name in ("hs_0.safetensors", "hs_2.safetensors"):
+        shutil.copy(folder / name, tmp_path / name)
+    x = torch.randn(LENGTHS[0], L, H).to(torch.bfloat16)
+    ids = hs.load_sample(hs.hs_path(folder, 0), L, H)[1]["token_ids"]
+    hs.save(hs.hs_path(tmp_path, 0), {"hidden_states": x, "token_ids": ids})
+    t = CheckedFiles(str(tmp_path), L, H, str(tmp_path / "skipped.jsonl"), rows=200, packed=True)
+    assert t.get_cached(0) is None and t.get_cached(2)["hidden_states"].dtype == torch.uint8
+    assert "bfloat16 states in an fp8 folder" in (tmp_path / "skipped.jsonl").read_text()
