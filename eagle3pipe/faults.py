@@ -7,7 +7,8 @@ variable. Nothing here does anything unless a variable is set.
                                        name), between (a batch's files all written, the next not started),
                                        end (every file written, the manifest not yet); stage 04: save (a
                                        checkpoint half written in .saving/), publish (the previous checkpoint
-                                       deleted, the new one not yet renamed into place)
+                                       deleted, the new one not yet renamed into place), worker-probe (the
+                                       probe worker stage 04 forks from its loader server, warm_start.py)
     EAGLE3_INJECT_OOM_ABOVE_TOKENS=N   raise torch's OutOfMemoryError for any stage 02 forward over N tokens
     EAGLE3_INJECT_NAN_ROWS=3,7         poison those rows' hidden states before stage 02's finiteness check
 """

@@ -75,6 +75,7 @@ def _probe(conn):
     from . import faults
     faults.kill_point("worker-probe")
     import torch
+    torch.manual_seed(0)  # as torch's worker loop seeds each worker (CUDA's generators too, where it may)
     worker_init(0)
     conn.send(torch.arange(8, dtype=torch.int64))
     conn.poll(60)
