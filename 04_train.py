@@ -63,6 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-freq", type=float, default=1.0,
                    help=">= 1: every N epochs; < 1: that fraction of an epoch (mid-epoch resume)")
     p.add_argument("--log-every", type=int, default=10, help="a dense progress line every N steps")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile N training steps after the first 5 (torch.profiler: time per operator, CPU and GPU) "
+                        "into logs/profile.txt and logs/profile_trace.json; 0: none")
     p.add_argument("--val-ratio", type=float, default=0.05, help="rows held out for validation")
     p.add_argument("--num-samples", type=int, default=None,
                    help="train on the first N rows of stage 01's output (a random subset of its records: stage 01 "

@@ -4,6 +4,7 @@ assets' ShareGPT rows, then stage 04 with its default flags:
   fresh  a first run on this machine (an empty compile cache),
   warm   the same run again (the cache the first one filled: a rerun, a resume, a second run),
   warm_fp8  the same on stage 02's fp8 states (--storage: bytes to the GPU, dequantized there),
+  profiled  with --profile N: N steps under stage 04's --profile-steps, the operators' table copied to --out,
   ddp    where the machine has several GPUs, the warm run under torchrun on all of them (the scaling ratio).
 Reported for each run: launch to the first step (this script's clock, the process's start to the log's "first step"
 line) and that line's own figure, steady tokens/s, data wait and MFU (the mean of the dense lines after the first
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -94,14 +96,19 @@ def train(a, shape, w, model, prep, hs, vocab):
     kinds = [("fresh", [sys.executable], 1, "bf16"), ("warm", [sys.executable], 1, "bf16")]
     if "fp8" in hs:  # the same graphs (the draft sees the compute dtype either way): warm
         kinds.append(("warm_fp8", [sys.executable], 1, "fp8"))
+    if a.profile:  # where a step's time goes: speculators' compiled step, the loss, the heads (stage 04's own profile)
+        kinds.append(("profiled", [sys.executable], 1, "bf16"))
     if gpus > 1 and not a.no_ddp:
         kinds.append(("ddp", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                               str(gpus)], gpus, "bf16"))
     out = {}
     for name, launcher, world, storage in kinds:
         ck = f"{runs}/ck_{name}"  # new: every run starts, none resumes
-        code, lines = timed([*launcher, *flags, "--hidden-states", hs[storage], "--output-dir", ck],
+        extra = ["--profile-steps", str(a.profile), "--max-steps", str(a.profile + 8)] if name == "profiled" else []
+        code, lines = timed([*launcher, *flags, "--hidden-states", hs[storage], "--output-dir", ck, *extra],
                             f"{a.out}/train_{shape}_{name}.log", env)
+        if name == "profiled" and os.path.isfile(f"{ck}/logs/profile.txt"):
+            shutil.copy(f"{ck}/logs/profile.txt", f"{a.out}/profile_{shape}.txt")
         out[name] = summary(code, lines, world)
         print(f"{shape} {name}: {json.dumps(out[name])}", flush=True)
         if code:
@@ -147,6 +154,7 @@ def main():
     ap.add_argument("--hs-dir", default=None, help="where stage 02 writes (default --work)")
     ap.add_argument("--no-ddp", action="store_true")
     ap.add_argument("--storage", default="bf16,fp8", help="stage 02's storage dtypes to train on (bf16 first)")
+    ap.add_argument("--profile", type=int, default=0, help="then a run with --profile-steps N (its table to --out)")
     a = ap.parse_args()
     import torch
     on_gpu = torch.cuda.is_available()

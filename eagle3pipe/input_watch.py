@@ -106,11 +106,12 @@ class BatchGuard:
     unavailable: speculators then trains on a padded, empty one) is named on a warning line, counted, and more than
     MAX_EMPTY_SHARE of an epoch's batches (and more than one) stop the run with one line. It also keeps the clock
     the dense log reads (`clock()`): the seconds spent waiting on the loader and the tokens it handed out, since the
-    epoch's first batch was asked for. `step`: what each batch goes through on its way to the trainer (fp8's
-    dequantization on the GPU, fp8_transport.Unpack), outside the time counted as waiting."""
+    epoch's first batch was asked for. `steps`: what each batch goes through on its way to the trainer, in order
+    (a profile's step boundary, step_profile.StepProfile; fp8's dequantization on the GPU, fp8_transport.Unpack),
+    outside the time counted as waiting."""
 
-    def __init__(self, loader, what="training", step=None):
-        self.loader, self.what, self.empty, self.step = loader, what, 0, step
+    def __init__(self, loader, what="training", steps=()):
+        self.loader, self.what, self.empty, self.steps = loader, what, 0, [s for s in steps if s is not None]
         self.waited, self.tokens, self.started = 0.0, 0, None
 
     def __len__(self):
@@ -148,4 +149,6 @@ class BatchGuard:
                     raise RunError(f"{self.empty} {self.what} batches came out empty (every sample in them unavailable: "
                                    f"hidden-state files deleted or replaced under the run?), more than "
                                    f"{MAX_EMPTY_SHARE:.0%} of {len(self.loader)}; check --hidden-states, then rerun")
-            yield batch if self.step is None else self.step(batch)
+            for step in self.steps:
+                batch = step(batch)
+            yield batch

@@ -194,6 +194,7 @@ class Train(Record):
     device: str = rule(choices=("auto", "cpu", "cuda"))
     checkpoint_freq: float = rule(gt=0)
     log_every: int = rule(ge=1)
+    profile_steps: int = rule(ge=0, le=1000)
     val_ratio: float = rule(gt=0, lt=1)
     num_samples: Optional[int] = rule(ge=1)
     measure_prompts: int = rule(ge=0, le=10000)

@@ -234,7 +234,8 @@ def acknowledged_signals(again_after=2.0):
             signal.signal(s, h)
 
 
-def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, dtype="bfloat16", batch_step=None):
+def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, dtype="bfloat16", batch_step=None,
+                       profile=None):
     from speculators.train.trainer import Trainer
 
     class PipelineTrainer(Trainer):
@@ -244,10 +245,10 @@ def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, 
             super().setup_model()
             from .input_watch import BatchGuard  # a batch of no token is named and counted, never trained on silently
             step = batch_step(self.local_rank) if batch_step else None  # fp8: dequantized on the GPU
-            self.train_loader = BatchGuard(self.train_loader, step=step)
+            self.train_loader = BatchGuard(self.train_loader, steps=(profile, step))  # --profile-steps: rank 0
             dense_log.clock = self.train_loader.clock  # tok/s and data wait on our clock, around the loader
             if self.val_loader is not None:
-                self.val_loader = BatchGuard(self.val_loader, "validation", step=step)
+                self.val_loader = BatchGuard(self.val_loader, "validation", steps=(step,))
             steps = len(self.train_loader) * self.config.num_epochs
             dense_log.total = min(steps, max_steps) if max_steps else steps
             import torch
@@ -405,7 +406,12 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_s
     if int(os.environ.get("RANK", "0")) == 0:
         os.close(outdir.open_append(os.path.join(logs, "metrics.jsonl")))  # refused now, not after an epoch
     dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"))
-    trainer_cls = make_trainer_class(dense, on_cpu, args.max_steps, measure, args.ttt_steps, dtype, batch_step)
+    profile = None
+    if args.profile_steps and int(os.environ.get("RANK", "0")) == 0:
+        from .step_profile import StepProfile
+        profile = StepProfile(args.profile_steps, logs, not on_cpu)
+    trainer_cls = make_trainer_class(dense, on_cpu, args.max_steps, measure, args.ttt_steps, dtype, batch_step,
+                                     profile)
     holder = {}
 
     class Recording(trainer_cls):

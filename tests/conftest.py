@@ -135,7 +135,7 @@ TRAINED_EPOCHS = 2  # the session's draft: enough for a falling loss and a draft
 def trained(stages, model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt") / "draft"
     p, _ = run_script(*train_args(model_path, stages, out, "--epochs", str(TRAINED_EPOCHS), "--lr", "3e-3",
-                                  "--measure-prompts", "4", "--measure-tokens", "24"))
+                                  "--measure-prompts", "4", "--measure-tokens", "24", "--profile-steps", "2"))
     assert p.returncode == 0, p.stderr[-4000:]
     return out, p
 

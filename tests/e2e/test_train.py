@@ -30,6 +30,12 @@ def test_training_lowers_the_loss_into_a_servable_checkpoint(trained, model_path
     said = re.search(r"model FLOPs: ([0-9.]+) GFLOP a trained token \(3 TTT steps", p.stderr)
     assert said and abs(float(said.group(1)) - want / 1e9) < 1e-3, (said and said.group(1), want)
     assert "no known peak for a CPU" in p.stderr
+    # --profile-steps 2 (conftest): steps 6-7 profiled, the operators by time and the timeline in logs/
+    table = (out / "logs" / "profile.txt").read_text()
+    assert table.startswith("# 2 training steps after the first 5") and "aten::mm" in table, table[:2000]
+    trace = json.load(open(out / "logs" / "profile_trace.json"))
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    assert "profile of steps 6-7: " in p.stderr
     last_dir = out / "last"
     assert last_dir.is_symlink() and (last_dir / "config.json").exists()
     cfg = json.load(open(last_dir / "config.json"))

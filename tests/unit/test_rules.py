@@ -127,7 +127,7 @@ def record(cls, **over):
     base.update(model_path="m", dataset="d", split="train", output_dir="o", prepared_data="p", hidden_states="h",
                 vocab_mapping="v", draft=["x"], prompts="sharegpt", backend="vllm", storage_dtype="bf16", device="auto", dtype="auto",
                 loss_implementation="auto", max_seq_len=16, seed=0, tp_size=1, batch_size=1, epochs=1, lr=1e-3,
-                total_seq_len=64, num_layers=1, ttt_steps=1, checkpoint_freq=1.0, log_every=1, val_ratio=0.1,
+                total_seq_len=64, num_layers=1, ttt_steps=1, checkpoint_freq=1.0, log_every=1, profile_steps=0, val_ratio=0.1,
                 num_prompts=1, num_speculative_tokens=1, max_new_tokens=1, batch_sizes=[1], draft_vocab_size=8,
                 gpu_memory_utilization=0.5, regen_temperature=0.0, regen_max_tokens=1, regen_batch_size=1,
                 regen_tp_size=1, cache_gb=0.0, engine_timeout=60, draft_arch="auto", loss_fn="kl_div",
