@@ -29,7 +29,7 @@ if __name__ == "__main__":  # a worker imports this file to find Rows
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from eagle3pipe import adapters, lifeline, warm_start
     lifeline.start()
-    server = warm_start.WorkerServer(modules=("torch", "speculators.train.dataloader"), deadline=120).start()
+    server = warm_start.WorkerServer(modules=("torch",), deadline=120).start()
     import speculators.train.dataloader as sdl
     with adapters.loader_workers(server.context, warm_start.worker_init):
         loader = sdl.DataLoader(Rows(), batch_size=2, num_workers=1, multiprocessing_context="spawn",
