@@ -29,7 +29,7 @@ def distrust(path):
     """Why `path` cannot hold this user's compiled code, or None if it can. A missing folder is made (private)."""
     try:
         if not os.path.lexists(path):
-            os.makedirs(path, mode=0o700)
+            os.makedirs(path, mode=0o700, exist_ok=True)  # another rank may make it between the two lines
         st = os.lstat(path)
     except OSError as e:
         return f"cannot be made or read ({e.strerror})"
