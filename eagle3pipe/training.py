@@ -269,6 +269,8 @@ def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, 
             return super().run_training()
 
         def val_epoch(self, epoch):
+            if on_cpu:  # nothing is compiled on a CPU: speculators' own no_grad validation is the cheaper one
+                return super().val_epoch(epoch)
             from . import warm_start  # through the training step's compiled graphs (warm_start.py says why)
             validating = warm_start.for_validation(self.model, self.is_distributed and self.config.fsdp_shard)
             if validating is None:
