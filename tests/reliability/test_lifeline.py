@@ -7,7 +7,7 @@ import sys
 import time
 import uuid
 
-from conftest import REPO, killed_at, left_behind, marked_processes, online_args, train_args
+from conftest import REPO, killed_at, left_behind, marked_processes, online_args
 from eagle3pipe import lifeline
 
 STAGE = """
@@ -97,9 +97,3 @@ def test_stage04_killed_while_its_hf_engine_loads_leaves_nothing(small, model_pa
     argv = online_args(model_path, small, tmp_path / "draft", "--backend", "hf", "--epochs", "2")
     assert killed_at(argv, "hf-loading", tmp_path, term_first=True) == []
 
-
-def test_stage04_killed_while_training_leaves_no_loader_worker(stages, model_path, tmp_path):
-    """Stage 04's data-loader workers fork from a server it starts (warm_start.WorkerServer), so they are not its
-    children: SIGKILLed once a step has trained on their batches, it leaves neither the server nor a worker."""
-    argv = train_args(model_path, stages, tmp_path / "draft", "--num-workers", "1", "--epochs", "3")
-    assert killed_at(argv, "worker-server", tmp_path) == []
