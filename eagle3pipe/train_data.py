@@ -154,10 +154,10 @@ class CheckedFiles:
             self.skip(int(file_idx), reason)
             return None
         states = t["hidden_states"]  # [T, L+1, H]
-        if self.packed and SCALES not in t:  # the batch is collated as fp8 bytes: another dtype cannot join it
-            self.skip(int(file_idx), f"{states.dtype} states in an fp8 folder (stage 02 wrote fp8 with scales)")
-            return None
-        if SCALES in t and self.packed:  # fp8 on disk: its bytes go on, dequantized on the GPU (fp8_transport.py)
+        if self.packed:  # fp8 on disk: its bytes go on, dequantized on the GPU (fp8_transport.py)
+            if SCALES not in t:  # the batch is collated as fp8 bytes: another dtype cannot join it
+                self.skip(int(file_idx), f"{states.dtype} states in an fp8 folder (stage 02 wrote fp8 with scales)")
+                return None
             states = fp8_transport.pack(states, t[SCALES])  # uint8 [T, L+1, H+4]
         elif SCALES in t:  # the trainer sees the compute dtype, as speculators' FP8Transfer computes it
             import torch
