@@ -3,7 +3,9 @@
 #   bash bench/bench_gpu.sh extract ASSETS OUT   # bench_extract_gpu.py: stage 02 vs bare forward, fp8, 2 replicas
 #   bash bench/bench_gpu.sh train   ASSETS OUT   # bench_train.py: stage 04 vs speculators' train, DDP on all GPUs
 #   bash bench/bench_gpu.sh gputrain ASSETS OUT  # bench_train_gpu.py: stage 04 as a user sees it (SHAPES=kimi,embedded;
-#                                                  PROFILE=10 adds a run with --profile-steps 10)
+#                                                  PROFILE=10 adds a run with --profile-steps 10; RUNS picks and
+#                                                  orders the runs, e.g. RUNS=fresh,profiled,warm@32768; STORAGE=bf16
+#                                                  skips the fp8 extraction)
 #   bash bench/bench_gpu.sh mla     ASSETS OUT   # bench_mla_draft_gpu.py: the MLA draft against the Llama-style one
 #                                                  (ARMS=llama, then ARMS=deepseek: one arm a call)
 # ASSETS: tokenizer files + config.json of a small Llama, train.json (ShareGPT), *.whl for what the machine lacks.
@@ -34,7 +36,8 @@ if [ "$WHAT" = mla ]; then
 fi
 if [ "$WHAT" = gputrain ]; then  # SHAPES: kimi,embedded (one a call keeps each under the 10-minute limit)
   $PY -m bench.bench_train_gpu --assets "$A" --work "$W/gt" --out "$OUT" --shapes "${SHAPES:-kimi,embedded}" \
-    --hs-dir /dev/shm --profile "${PROFILE:-0}" | tee "$OUT/gputrain.txt"
+    --hs-dir /dev/shm --profile "${PROFILE:-0}" --storage "${STORAGE:-bf16,fp8}" ${RUNS:+--runs "$RUNS"} \
+    | tee "$OUT/gputrain.txt"
   exit 0
 fi
 if [ "$WHAT" = extract ]; then

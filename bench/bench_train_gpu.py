@@ -5,6 +5,7 @@ assets' ShareGPT rows, then stage 04 with its default flags:
   warm   the same run again (the cache the first one filled: a rerun, a resume, a second run),
   warm_fp8  the same on stage 02's fp8 states (--storage: bytes to the GPU, dequantized there),
   profiled  with --profile N: N steps under stage 04's --profile-steps, the operators' table copied to --out,
+  --runs picks and orders them (e.g. profiled,warm@32768: NAME@TOKENS trains with --total-seq-len TOKENS),
   ddp    where the machine has several GPUs, the warm run under torchrun on all of them (the scaling ratio).
 Reported for each run: launch to the first step (this script's clock, the process's start to the log's "first step"
 line) and that line's own figure, steady tokens/s, data wait and MFU (the mean of the dense lines after the first
@@ -93,28 +94,33 @@ def train(a, shape, w, model, prep, hs, vocab):
              vocab, "--epochs", "1", "--log-every", "5", *(["--max-steps", str(a.steps)] if a.steps else []),
              *SHAPES[shape]["flags"]]
     gpus = torch.cuda.device_count()
-    kinds = [("fresh", [sys.executable], 1, "bf16"), ("warm", [sys.executable], 1, "bf16")]
-    if "fp8" in hs:  # the same graphs (the draft sees the compute dtype either way): warm
-        kinds.append(("warm_fp8", [sys.executable], 1, "fp8"))
-    if a.profile:  # where a step's time goes: speculators' compiled step, the loss, the heads (stage 04's own profile)
-        kinds.append(("profiled", [sys.executable], 1, "bf16"))
-    if gpus > 1 and not a.no_ddp:
-        kinds.append(("ddp", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                              str(gpus)], gpus, "bf16"))
+    ddp = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus)]
+    known = {"fresh": ([sys.executable], 1, "bf16"), "warm": ([sys.executable], 1, "bf16"),
+             # the same graphs (the draft sees the compute dtype either way): warm
+             "warm_fp8": ([sys.executable], 1, "fp8"),
+             # where a step's time goes: speculators' compiled step, the loss, the heads (stage 04's own profile)
+             "profiled": ([sys.executable], 1, "bf16"), "ddp": (ddp, gpus, "bf16")}
+    wanted = a.runs.split(",") if a.runs else [
+        "fresh", "warm", *(["warm_fp8"] if "fp8" in hs else []), *(["profiled"] if a.profile else []),
+        *(["ddp"] if gpus > 1 and not a.no_ddp else [])]
     out = {}
-    for name, launcher, world, storage in kinds:
-        ck = f"{runs}/ck_{name}"  # new: every run starts, none resumes
-        extra = ["--profile-steps", str(a.profile), "--max-steps", str(a.profile + 8)] if name == "profiled" else []
+    for name in wanted:  # NAME[@TOKENS]: the run with --total-seq-len TOKENS (the first of the list runs fresh)
+        kind, _, seq = name.partition("@")
+        launcher, world, storage = known[kind]
+        ck = f"{runs}/ck_{name.replace('@', '_')}"  # new: every run starts, none resumes
+        extra = ["--profile-steps", str(a.profile or 10), "--max-steps", str((a.profile or 10) + 8)] \
+            if kind == "profiled" else []
+        extra += ["--total-seq-len", seq, "--log-every", "1"] if seq else []
         code, lines = timed([*launcher, *flags, "--hidden-states", hs[storage], "--output-dir", ck, *extra],
-                            f"{a.out}/train_{shape}_{name}.log", env)
-        if name == "profiled" and os.path.isfile(f"{ck}/logs/profile.txt"):
+                            f"{a.out}/train_{shape}_{name.replace('@', '_')}.log", env)
+        if kind == "profiled" and os.path.isfile(f"{ck}/logs/profile.txt"):
             shutil.copy(f"{ck}/logs/profile.txt", f"{a.out}/profile_{shape}.txt")
         out[name] = summary(code, lines, world)
         print(f"{shape} {name}: {json.dumps(out[name])}", flush=True)
         if code:
             print("\n".join(l for _, l in lines[-30:]))
             break
-    if "ddp" in out and out["warm"]["steady_tok_s"] and out["ddp"]["steady_tok_s"]:
+    if "ddp" in out and "warm" in out and out["warm"]["steady_tok_s"] and out["ddp"]["steady_tok_s"]:
         out["ddp_scaling"] = round(out["ddp"]["steady_tok_s"] / out["warm"]["steady_tok_s"], 2)
     return out
 
@@ -155,6 +161,10 @@ def main():
     ap.add_argument("--no-ddp", action="store_true")
     ap.add_argument("--storage", default="bf16,fp8", help="stage 02's storage dtypes to train on (bf16 first)")
     ap.add_argument("--profile", type=int, default=0, help="then a run with --profile-steps N (its table to --out)")
+    ap.add_argument("--runs", default=None,
+                    help="the runs, in order, instead of the default set: fresh, warm, warm_fp8, profiled, ddp, each "
+                         "with @TOKENS for --total-seq-len TOKENS (e.g. profiled,warm@32768: the first one finds the "
+                         "cache empty)")
     a = ap.parse_args()
     import torch
     on_gpu = torch.cuda.is_available()

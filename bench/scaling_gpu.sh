@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The scaling study's GPU half (bench/bench_scaling_quality.py, docs/RECIPE.md) on a lent H200 machine, in calls of
 # at most 10 minutes and transfers of at most 64 MiB: the wheels the machine lacks (.whl/), the study's inputs and the
-# embedded verifier's GGUF in parts (.gx/), converted there exactly as scripts/setup.sh does. .gx/p0 holds the GGUF's
+# embedded verifier's GGUF in parts (.gx/), converted there exactly as scripts/setup.sh does (.whl/ must hold gguf's
+# wheel too: the machine lacks it). .gx/p0 holds the GGUF's
 # first part, the sha256s and the CPU machine's tokenizer files (tok.tar.xz); .gx/p1 the GGUF's other parts; .gx/in
 # the study's inputs (bench_scaling_quality carry).
 #   bash bench/scaling_gpu.sh setup OUT        # carry .whl .gx/p0: wheels; keeps p0 in /tmp/gx; where the states go
@@ -39,7 +40,9 @@ case $STEP in
   model)
     [ -f "$GGUF" ] || cat /tmp/gx/gguf.part* .gx/p1/gguf.part* > "$GGUF"  # carried folders do not outlive their call
     [ "$(sha256sum "$GGUF" | cut -c1-64)" = "$(cat /tmp/gx/gguf.sha256)" ] || { echo "GGUF damaged in transit"; exit 1; }
-    python3 -m eagle3pipe.default_model --output-dir data/models/smollm2-135m-instruct 2>&1 | tail -1
+    python3 -m eagle3pipe.default_model --output-dir data/models/smollm2-135m-instruct > /tmp/convert.log 2>&1 \
+      || { tail -3 /tmp/convert.log; echo "conversion failed (.whl/ must hold gguf's wheel)"; exit 1; }
+    tail -1 /tmp/convert.log
     # the CPU machine's tokenizer files (transformers versions write them apart)
     python3 -c "import tarfile; tarfile.open('/tmp/gx/tok.tar.xz').extractall('data/models/smollm2-135m-instruct', filter='data')"
     echo "model.safetensors sha256 $(sha256sum data/models/smollm2-135m-instruct/model.safetensors | cut -c1-64);" \

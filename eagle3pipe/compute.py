@@ -177,8 +177,22 @@ def draft_flops_per_token(named_params, ttt_steps):
     return once + ttt_steps * per_step
 
 
-if __name__ == "__main__":  # `python -m eagle3pipe.compute`: what auto chooses on this machine
-    print(for_cpu_or_gpu("auto").describe())
+MUON_SKIPS = ("embed_tokens", "lm_head", "codebook", "markov_w1", "markov_w2")  # speculators 0.9 gives these AdamW
+
+
+def muon_flops_per_step(named_params, ns_steps=5):
+    """FLOPs of one optimizer step's Newton-Schulz iterations under Muon (`named_params`: (name, shape, trainable)).
+    Muon orthogonalizes each trainable matrix with both sides over 1, embeddings and heads aside (speculators'
+    split). For a matrix with sides m <= n, an iteration multiplies X by its transpose (2 m^2 n), squares the m x m
+    Gram matrix (2 m^3) and multiplies the result by X again (2 m^2 n). Paid once a step, whatever the step's
+    tokens: a wide draft (7168: about 107 TFLOP a step) pays as much for it as for its model FLOPs at 8k tokens."""
+    total = 0
+    for name, shape, trainable in named_params:
+        if not trainable or len(shape) != 2 or min(shape) <= 1 or any(h in name for h in MUON_SKIPS):
+            continue
+        m, n = sorted(shape)
+        total += ns_steps * (4 * m * m * n + 2 * m ** 3)
+    return total
 
 
 def available_ram():
@@ -249,3 +263,7 @@ def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader, quant=None):
     if gpus and dtype == "float32":
         raise UsageError(f"--dtype float32: vLLM's hidden-states connector on GPU stores states in the compute dtype, "
                          f"and {reader}; use --dtype auto (bf16 on GPUs) or --backend hf")
+
+
+if __name__ == "__main__":  # `python -m eagle3pipe.compute`: what auto chooses on this machine
+    print(for_cpu_or_gpu("auto").describe())

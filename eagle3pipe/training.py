@@ -90,6 +90,7 @@ class DenseLog(logging.Handler):
         self.fetch_ms = self.step_ms = 0.0  # the time the step waited for its batch, summed over the logged steps
         self.jsonl = jsonl  # every metric record, one JSON line each: stage 05 plots the training curves
         self.flops_per_token = self.peak = None  # set once the model exists (PipelineTrainer.setup_model)
+        self.tokens_per_step = None  # a rank's packed batch (--total-seq-len): what Muon's fixed cost is shared by
         self.clock, self.last, self.wall, self.waited = None, None, 0.0, 0.0  # the loader's clock, when attached
 
     def emit(self, record):
@@ -156,9 +157,11 @@ class DenseLog(logging.Handler):
         done = tok_s * self.flops_per_token
         return f" {done / 1e12:.2f} TFLOP/s" + (f" MFU {done / self.peak:.1%}" if self.peak else "")
 
-    def count_flops(self, model, ttt_steps, device_name, dtype):
-        """Once the model exists: its FLOPs a token (compute.draft_flops_per_token) and the device's peak, said once."""
-        from .compute import draft_flops_per_token, peak_flops
+    def count_flops(self, model, ttt_steps, device_name, dtype, optimizer=None, tokens_per_step=None, ns_steps=5):
+        """Once the model exists: its FLOPs a token (compute.draft_flops_per_token) and the device's peak, said once;
+        under Muon, what its Newton-Schulz iterations add to each step (compute.muon_flops_per_step), which MFU
+        leaves out and a wide draft feels."""
+        from .compute import draft_flops_per_token, muon_flops_per_step, peak_flops
         params = [(n, tuple(p.shape), p.requires_grad) for n, p in getattr(model, "module", model).named_parameters()]
         if any("flat_param" in n for n, _, _ in params):  # FSDP1's flattened parameters keep no shapes
             return
@@ -167,6 +170,13 @@ class DenseLog(logging.Handler):
                  f"(no known peak for {device_name or 'a CPU'} in {dtype}: no MFU)")
         log.info(f"model FLOPs: {self.flops_per_token / 1e9:.3f} GFLOP a trained token ({ttt_steps} TTT steps, "
                  f"forward and backward; attention scores not counted); the dense log shows TFLOP/s and MFU {where}")
+        muon = muon_flops_per_step(params, ns_steps) if optimizer == "muon" else 0
+        if muon and tokens_per_step:
+            share = muon / (muon + self.flops_per_token * tokens_per_step)
+            log.info(f"optimizer: Muon's Newton-Schulz iterations add {muon / 1e12:.2f} TFLOP a step ({ns_steps} "
+                     f"iterations), {muon / tokens_per_step / 1e9:.3f} GFLOP a token at {tokens_per_step:,} tokens a "
+                     f"step: {share:.0%} of a step's FLOPs, outside MFU (model FLOPs only); more tokens a step "
+                     f"(--total-seq-len) make it a smaller share")
 
     @property
     def wait_fraction(self):
@@ -252,7 +262,8 @@ def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, 
             steps = len(self.train_loader) * self.config.num_epochs
             dense_log.total = min(steps, max_steps) if max_steps else steps
             import torch
-            dense_log.count_flops(self.model, ttt_steps, None if on_cpu else torch.cuda.get_device_name(), dtype)
+            dense_log.count_flops(self.model, ttt_steps, None if on_cpu else torch.cuda.get_device_name(), dtype,
+                                  self.config.optimizer, dense_log.tokens_per_step, self.config.muon_ns_steps)
 
         def train_epoch(self, epoch, **kw):
             if max_steps and self.global_step >= max_steps:
@@ -408,6 +419,7 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_s
     if int(os.environ.get("RANK", "0")) == 0:
         os.close(outdir.open_append(os.path.join(logs, "metrics.jsonl")))  # refused now, not after an epoch
     dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"))
+    dense.tokens_per_step = args.total_seq_len
     profile = None
     if args.profile_steps and int(os.environ.get("RANK", "0")) == 0:
         from .step_profile import StepProfile

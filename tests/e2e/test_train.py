@@ -36,6 +36,11 @@ def test_training_lowers_the_loss_into_a_servable_checkpoint(trained, model_path
     trace = json.load(open(out / "logs" / "profile_trace.json"))
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
     assert "profile of steps 6-7: " in p.stderr
+    # the second table holds the ranges: the optimizers' steps among them (Muon's Newton-Schulz runs in its own)
+    assert "Optimizer.step#Muon.step" in table.split("time_total (a range holds")[1], table[-3000:]
+    # the default optimizer is Muon: its fixed cost a step is said beside the model's FLOPs, for 1024 tokens a step
+    assert re.search(r"optimizer: Muon's Newton-Schulz iterations add [0-9.]+ TFLOP a step \(5 iterations\), "
+                     r"[0-9.]+ GFLOP a token at 1,024 tokens a step", p.stderr), p.stderr[-3000:]
     last_dir = out / "last"
     assert last_dir.is_symlink() and (last_dir / "config.json").exists()
     cfg = json.load(open(last_dir / "config.json"))

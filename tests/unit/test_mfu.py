@@ -110,3 +110,61 @@ def test_tok_s_and_data_wait_are_read_on_the_loaders_clock():
     finally:
         logger.removeHandler(seen)
         logger.setLevel(level)
+
+
+def test_muons_newton_schulz_flops_are_what_torchs_muon_computes_on_speculators_split():
+    """compute.muon_flops_per_step against the matmul FLOPs torch's flop counter sees in one real step of the
+    optimizers speculators builds for --optimizer muon (its own split: heads, embeddings and vectors go to AdamW),
+    on the DRAFT's shapes; and the log line that puts it beside the model's FLOPs."""
+    import types
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from speculators.train.optimizers import build_optimizers
+    model = torch.nn.Module()
+    for name, shape, trainable in DRAFT:
+        *path, leaf = name.split(".")
+        owner = model
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, torch.nn.Parameter(torch.randn(shape), requires_grad=trainable))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+    cfg = types.SimpleNamespace(optimizer="muon", lr=1e-3, weight_decay=0.0, muon_lr=1e-3, muon_momentum=0.95,
+                                muon_weight_decay=0.0, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw")
+    counter = FlopCounterMode(display=False)
+    with counter:
+        for opt in build_optimizers(model, cfg):
+            opt.step()
+    expected = compute.muon_flops_per_step(DRAFT, 5)
+    assert expected > 0 and counter.get_total_flops() == expected, (counter.get_total_flops(), expected)
+    assert compute.muon_flops_per_step(DRAFT, 3) * 5 == expected * 3
+    seen, logger = Lines(), logging.getLogger("eagle3")
+    level = logger.level
+    logger.addHandler(seen)
+    logger.setLevel(logging.INFO)
+    try:
+        training.DenseLog(every=1).count_flops(model, 3, "NVIDIA H200", "bfloat16", "muon", 1000, 5)
+        share = expected / (expected + 1000 * compute.draft_flops_per_token(DRAFT, 3))
+        assert f"{expected / 1e12:.2f} TFLOP a step (5 iterations)" in seen.lines[-1]
+        assert f"{share:.0%} of a step's FLOPs, outside MFU" in seen.lines[-1]
+        training.DenseLog(every=1).count_flops(model, 3, "NVIDIA H200", "bfloat16", "adamw", 1000, 5)
+        assert "optimizer:" not in seen.lines[-1]
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
+
+
+def test_muon_at_kimis_width_costs_about_as_much_as_the_model_at_8k_tokens_a_step():
+    """The arithmetic behind docs/BENCHMARKS.md's explanation of the MFU at Kimi's width: the 7168-wide MLA draft's
+    nine Muon matrices (the FC and one layer) against its 13.36 GFLOP a token."""
+    h, i = 7168, 18432
+    mats = [("fc.weight", (h, 3 * h)), ("q_a_proj.weight", (1536, 2 * h)), ("q_b_proj.weight", (64 * 192, 1536)),
+            ("kv_a_proj_with_mqa.weight", (576, 2 * h)), ("kv_b_proj.weight", (64 * 256, 512)),
+            ("o_proj.weight", (h, 64 * 128)), ("gate_proj.weight", (i, h)), ("up_proj.weight", (i, h)),
+            ("down_proj.weight", (h, i))]
+    muon = compute.muon_flops_per_step([(n, s, True) for n, s in mats], 5)
+    assert 100e12 < muon < 115e12  # about 107 TFLOP a step
+    assert 0.9 < muon / (13.36e9 * 8192) < 1.1
