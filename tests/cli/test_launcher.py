@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, assert_refused, run_script, snapshot
+from conftest import REPO, assert_refused, snapshot
 
 # as root, permission bits do not stop a read: drop the capabilities that bypass them, as an operator has none
 NO_BYPASS = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
