@@ -1,5 +1,6 @@
 """Stage 04's MFU line: the model FLOPs a trained token costs, counted from the draft's parameters, and the fraction
 of the device's dense peak the run reaches, in the dense log (eagle3pipe/training.py DenseLog, compute.py)."""
+import contextlib
 import logging
 
 from eagle3pipe import compute, training
@@ -39,7 +40,8 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_the_dense_line_carries_tflops_and_mfu_where_the_peak_is_known():
+def draft_module(init):
+    """A torch module holding DRAFT's parameters by their names (init: torch.zeros or torch.randn)."""
     import torch
     model = torch.nn.Module()
     for name, shape, trainable in DRAFT:
@@ -49,12 +51,28 @@ def test_the_dense_line_carries_tflops_and_mfu_where_the_peak_is_known():
             if not hasattr(owner, part):
                 owner.add_module(part, torch.nn.Module())
             owner = getattr(owner, part)
-        owner.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape), requires_grad=trainable))
+        owner.register_parameter(leaf, torch.nn.Parameter(init(shape), requires_grad=trainable))
+    return model
+
+
+@contextlib.contextmanager
+def logged():
+    """The eagle3 logger's INFO lines while the block runs."""
     seen, logger = Lines(), logging.getLogger("eagle3")
     level = logger.level
     logger.addHandler(seen)
     logger.setLevel(logging.INFO)
     try:
+        yield seen
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
+
+
+def test_the_dense_line_carries_tflops_and_mfu_where_the_peak_is_known():
+    import torch
+    model = draft_module(torch.zeros)
+    with logged() as seen:
         dense = training.DenseLog(every=1, total_steps=2)
         dense.count_flops(model, 3, "NVIDIA H200", "bfloat16")
         per = compute.draft_flops_per_token(DRAFT, 3)
@@ -69,9 +87,6 @@ def test_the_dense_line_carries_tflops_and_mfu_where_the_peak_is_known():
         cpu.count_flops(model, 3, None, "float32")
         assert "no known peak for a CPU in float32: no MFU" in seen.lines[-1] and cpu.peak is None
         assert cpu.utilization(1e6) == f" {done / 1e12:.2f} TFLOP/s"
-    finally:
-        logger.removeHandler(seen)
-        logger.setLevel(level)
 
 
 def test_tok_s_and_data_wait_are_read_on_the_loaders_clock():
@@ -88,11 +103,7 @@ def test_tok_s_and_data_wait_are_read_on_the_loaders_clock():
             time.sleep(pause)  # a slow loader: the fault this line must show
             yield {"document_ids": torch.tensor([0, 0, 1, -1])}  # 3 tokens and a pad
 
-    seen, logger = Lines(), logging.getLogger("eagle3")
-    level = logger.level
-    logger.addHandler(seen)
-    logger.setLevel(logging.INFO)
-    try:
+    with logged() as seen:
         for loader_pause, step_pause, waiting in ((0.05, 0.0, True), (0.0, 0.05, False)):
             dense, guard = training.DenseLog(every=1), BatchGuard(batches(4, loader_pause))
             dense.clock = guard.clock
@@ -107,9 +118,6 @@ def test_tok_s_and_data_wait_are_read_on_the_loaders_clock():
             first = [line for line in seen.lines if line.startswith("first step ")]
             waited = float(first[-1].split("(")[1].split(" s of it")[0])
             assert len(first) == (1 if waiting else 2) and (waited >= 0.04) == waiting, first  # once a run
-    finally:
-        logger.removeHandler(seen)
-        logger.setLevel(level)
 
 
 def test_muons_newton_schulz_flops_are_what_torchs_muon_computes_on_speculators_split():
@@ -120,15 +128,7 @@ def test_muons_newton_schulz_flops_are_what_torchs_muon_computes_on_speculators_
     import torch
     from torch.utils.flop_counter import FlopCounterMode
     from speculators.train.optimizers import build_optimizers
-    model = torch.nn.Module()
-    for name, shape, trainable in DRAFT:
-        *path, leaf = name.split(".")
-        owner = model
-        for part in path:
-            if not hasattr(owner, part):
-                owner.add_module(part, torch.nn.Module())
-            owner = getattr(owner, part)
-        owner.register_parameter(leaf, torch.nn.Parameter(torch.randn(shape), requires_grad=trainable))
+    model = draft_module(torch.randn)
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.randn_like(p)
@@ -141,20 +141,13 @@ def test_muons_newton_schulz_flops_are_what_torchs_muon_computes_on_speculators_
     expected = compute.muon_flops_per_step(DRAFT, 5)
     assert expected > 0 and counter.get_total_flops() == expected, (counter.get_total_flops(), expected)
     assert compute.muon_flops_per_step(DRAFT, 3) * 5 == expected * 3
-    seen, logger = Lines(), logging.getLogger("eagle3")
-    level = logger.level
-    logger.addHandler(seen)
-    logger.setLevel(logging.INFO)
-    try:
+    with logged() as seen:
         training.DenseLog(every=1).count_flops(model, 3, "NVIDIA H200", "bfloat16", "muon", 1000, 5)
         share = expected / (expected + 1000 * compute.draft_flops_per_token(DRAFT, 3))
         assert f"{expected / 1e12:.2f} TFLOP a step (5 iterations)" in seen.lines[-1]
         assert f"{share:.0%} of a step's FLOPs, outside MFU" in seen.lines[-1]
         training.DenseLog(every=1).count_flops(model, 3, "NVIDIA H200", "bfloat16", "adamw", 1000, 5)
         assert "optimizer:" not in seen.lines[-1]
-    finally:
-        logger.removeHandler(seen)
-        logger.setLevel(level)
 
 
 def test_muon_at_kimis_width_costs_about_as_much_as_the_model_at_8k_tokens_a_step():
