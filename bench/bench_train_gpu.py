@@ -82,6 +82,9 @@ def summary(code, lines, world=1):
             "steps_logged": len(steps), "wall_s": round(lines[-1][0], 1) if lines else None}
 
 
+RUN_KINDS = ("fresh", "warm", "warm_fp8", "profiled", "ddp")
+
+
 def train(a, shape, w, model, prep, hs, vocab):
     """Stage 04 fresh, warm, warm on fp8 states (`hs`: {storage: stage 02 folder}) and (several GPUs) under
     torchrun, each into its own folder."""
@@ -166,6 +169,12 @@ def main():
                          "with @TOKENS for --total-seq-len TOKENS (e.g. profiled,warm@32768: the first one finds the "
                          "cache empty)")
     a = ap.parse_args()
+    for name in filter(None, (a.runs or "").split(",")):
+        kind, at, seq = name.partition("@")
+        if kind not in RUN_KINDS or (at and not seq.isdigit()):
+            ap.error(f"--runs: {name!r} is not one of {', '.join(RUN_KINDS)}, optionally with @TOKENS")
+        if kind == "warm_fp8" and "fp8" not in a.storage.split(","):
+            ap.error(f"--runs: {name!r} trains on fp8 states; --storage {a.storage} does not extract them")
     import torch
     on_gpu = torch.cuda.is_available()
     res = {"device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "gpus": torch.cuda.device_count(),

@@ -283,6 +283,11 @@ def _on_cpu_gloo(setup):
     return on_cpu
 
 
+# speculators 0.9.0's build_optimizers gives parameters whose names hold these to AdamW, the other matrices to Muon
+# (compute.muon_flops_per_step counts Muon's work; tests/unit/test_mfu.py checks the split against the real one)
+MUON_ADAMW_NAMES = ("embed_tokens", "lm_head", "codebook", "markov_w1", "markov_w2")
+
+
 @contextlib.contextmanager
 def muon_in_float32(dtype):
     """With float32 compute, torch's Muon Newton-Schulz iteration (torch 2.13's coefficients and steps, passed

@@ -16,6 +16,7 @@ import platform
 import subprocess
 from typing import Optional
 
+from .adapters import MUON_ADAMW_NAMES
 from .errors import UsageError
 
 CHOICES = ("auto", "bfloat16", "float32")
@@ -177,9 +178,6 @@ def draft_flops_per_token(named_params, ttt_steps):
     return once + ttt_steps * per_step
 
 
-MUON_SKIPS = ("embed_tokens", "lm_head", "codebook", "markov_w1", "markov_w2")  # speculators 0.9 gives these AdamW
-
-
 def muon_flops_per_step(named_params, ns_steps=5):
     """FLOPs of one optimizer step's Newton-Schulz iterations under Muon (`named_params`: (name, shape, trainable)).
     Muon orthogonalizes each trainable matrix with both sides over 1, embeddings and heads aside (speculators'
@@ -188,7 +186,7 @@ def muon_flops_per_step(named_params, ns_steps=5):
     tokens: a wide draft (7168: about 107 TFLOP a step) pays as much for it as for its model FLOPs at 8k tokens."""
     total = 0
     for name, shape, trainable in named_params:
-        if not trainable or len(shape) != 2 or min(shape) <= 1 or any(h in name for h in MUON_SKIPS):
+        if not trainable or len(shape) != 2 or min(shape) <= 1 or any(h in name for h in MUON_ADAMW_NAMES):
             continue
         m, n = sorted(shape)
         total += ns_steps * (4 * m * m * n + 2 * m ** 3)

@@ -83,14 +83,14 @@ class DenseLog(logging.Handler):
     measured on this process's clock since the previous line (`clock`: the training loader's, input_watch.BatchGuard),
     not taken from speculators' step profile, whose logged step also holds the previous step's GPU work."""
 
-    def __init__(self, every, total_steps=None, jsonl=None):
+    def __init__(self, every, total_steps=None, jsonl=None, tokens_per_step=None):
         super().__init__()
         self.every, self.total, self.t0, self.step0, self.tokens = every, total_steps, None, None, 0
         self.estimated = False
         self.fetch_ms = self.step_ms = 0.0  # the time the step waited for its batch, summed over the logged steps
         self.jsonl = jsonl  # every metric record, one JSON line each: stage 05 plots the training curves
         self.flops_per_token = self.peak = None  # set once the model exists (PipelineTrainer.setup_model)
-        self.tokens_per_step = None  # a rank's packed batch (--total-seq-len): what Muon's fixed cost is shared by
+        self.tokens_per_step = tokens_per_step  # a rank's packed batch (--total-seq-len): what Muon's fixed cost is shared by
         self.clock, self.last, self.wall, self.waited = None, None, 0.0, 0.0  # the loader's clock, when attached
 
     def emit(self, record):
@@ -418,8 +418,8 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_s
     logs = outdir.make_dir(os.path.join(os.path.abspath(args.output_dir), "logs"))
     if int(os.environ.get("RANK", "0")) == 0:
         os.close(outdir.open_append(os.path.join(logs, "metrics.jsonl")))  # refused now, not after an epoch
-    dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"))
-    dense.tokens_per_step = args.total_seq_len
+    dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"),
+                     tokens_per_step=args.total_seq_len)
     profile = None
     if args.profile_steps and int(os.environ.get("RANK", "0")) == 0:
         from .step_profile import StepProfile
