@@ -18,6 +18,8 @@ acceptance length = 1 + accepted / drafts; per position s = rounds that accepted
 import contextlib
 import time
 
+from . import adapters
+
 
 def simulate(pred_ids_per_step, tokens, prompt_len, k, max_new_tokens, stop_ids):
     """vLLM's rounds over one prompt. `pred_ids_per_step[s][i]`: the draft's step-s guess (verifier vocabulary) at
@@ -96,7 +98,7 @@ def draft_predictions(model, aux, tokens, k):
     aux = aux.flatten(1) if aux.dim() == 3 else aux
     ids = torch.as_tensor(tokens, dtype=torch.long, device=p.device)
     n = ids.numel() - 1
-    with torch.no_grad():
+    with torch.no_grad(), adapters.uncompiled():  # a prompt's length a call: nothing to reuse a compiled graph for
         # training's shift: the state of token i beside token i+1, positions from 1 (RoPE is relative: vLLM's i)
         steps = model(hidden_states=aux[:n][None].to(p.device, p.dtype), input_ids=ids[1:][None],
                       document_ids=torch.zeros(1, n, dtype=torch.long, device=p.device),

@@ -22,6 +22,11 @@ Why each one exists:
   (warm_start.py: the first batch waited 23-39 s for a dozen spawned interpreters at Kimi's width).
 - `mla_draft_layer`: speculators builds a draft's decoder layer from `model_classes[<layer config's model_type>]`;
   the MLA draft's classes (mla_draft.py) go in there for the run.
+- `uncompiled`: on a GPU speculators compiles the draft's forward where the class is defined
+  (`conditional_torch_compile`). The acceptance measure calls it once a prompt, each prompt another length, under
+  no_grad: every call recompiled (grad mode and shapes are guarded) until torch's recompile limit, 30 s of
+  compiling in stage 04's first measure and a "hit config.recompile_limit" warning in the log (bench/results/
+  train_gpu_20261204b.log). The measure's calls run eagerly instead; training's compiled graphs stay as they are.
 - `close_engine`: a vLLM engine's processes stop when its LLM object is collected, and vLLM's start-up keeps a
   reference to it; stage 05 starts one engine after another, so each is stopped through vLLM's client by name.
 - Backends are registered through speculators' public `HiddenStatesBackend.register` (`register_backend`).
@@ -286,6 +291,21 @@ def _on_cpu_gloo(setup):
 # speculators 0.9.0's build_optimizers gives parameters whose names hold these to AdamW, the other matrices to Muon
 # (compute.muon_flops_per_step counts Muon's work; tests/unit/test_mfu.py checks the split against the real one)
 MUON_ADAMW_NAMES = ("embed_tokens", "lm_head", "codebook", "markov_w1", "markov_w2")
+
+
+@contextlib.contextmanager
+def uncompiled():
+    """Calls of compiled functions inside run eagerly (torch.compiler.set_stance, torch 2.6+), compiling nothing and
+    leaving what was compiled for others. A torch without it compiles as before, with a warning."""
+    import torch
+    stance = getattr(torch.compiler, "set_stance", None)
+    if stance is None:
+        log.warning(f"torch {torch.__version__} has no torch.compiler.set_stance ({PINNED['torch']} has): the acceptance "
+                    f"measure's calls of the compiled draft recompile")
+        yield
+        return
+    with stance("force_eager"):
+        yield
 
 
 @contextlib.contextmanager

@@ -80,3 +80,30 @@ def test_training_lowers_the_loss_into_a_servable_checkpoint(trained, model_path
     assert f"acceptance measure: the verifier's greedy continuations of {n} validation prompts" in p.stderr
     assert re.search(rf"checkpoint_best -> \d: acceptance length [0-9.]+ by the measure \({n} held-out prompts, 24 "
                      r"tokens, k=3\); the trainer's estimate [0-9.]+ on the validation rows", p.stderr), p.stderr[-3000:]
+
+
+def test_the_acceptance_measure_runs_a_compiled_draft_eagerly(trained):
+    """On a GPU speculators compiles the draft's forward; the measure calls it once a prompt, each prompt another
+    length, under no_grad: compiled, every call recompiled until torch's limit. Here the forward is compiled as
+    speculators compiles it on a GPU, through a backend that counts the graphs it is handed."""
+    import torch
+    from eagle3pipe import acceptance
+    model, _ = acceptance.load_draft(str(trained[0] / "last"))
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=counting)
+    width = model.fc.weight.shape[1]  # the auxiliary states side by side
+    for n in (9, 14):  # two prompts of different lengths
+        pred = acceptance.draft_predictions(model, torch.randn(n, width), list(range(5, 5 + n)), 3)
+        assert pred.shape == (3, n - 1)
+    assert graphs == []
+    with torch.no_grad():  # the same call outside the measure compiles: the counter sees it
+        model(hidden_states=torch.randn(1, 8, width), input_ids=torch.arange(8)[None],
+              document_ids=torch.zeros(1, 8, dtype=torch.long), position_ids=torch.arange(1, 9)[None], ttt_steps=3)
+    assert graphs
+    torch._dynamo.reset()
