@@ -2,7 +2,8 @@
 package's ShareGPT conversations, every epoch measured on held-out prompts by the acceptance measure without vLLM
 (eagle3pipe/acceptance.py) at k=3 and k=5, the best draft of each size confirmed through vLLM by stage 05.
 
-    python -m bench.bench_scaling_quality study   --work W --parallel 6  # all of the below, in order (GPU + vLLM)
+    python -m bench.bench_scaling_quality study   --work W --parallel 6  # all of the below, in order (GPU + vLLM):
+                                                # the data curve (STUDY), the levers at all the data (LEVERS)
     python -m bench.bench_scaling_quality prepare --work W [--vocab 16384,32768]  # stages 01 + 03 on all but the
                                                 # last 500 records, 200 held-out prompts from those (CPU)
     python -m bench.bench_scaling_quality carry   --work W --out D    # W's inputs, xz, in 30 MB parts (transfer limit)
@@ -350,6 +351,9 @@ def curve(src, plot):
 
 
 STUDY = "300:10:0,300:10:1,1000:10:0,1000:10:1,3000:10:0:4096,3000:10:1:4096,10000:4:0:8192,all:3:0:8192"
+# the levers at all the data (docs/RECIPE.md): the 32,768-token vocabulary, then two and three draft layers on it
+LEVERS = ("all:3:0:8192:v32768,all:3:1:8192:v32768,all:3:0:8192:v32768+L2,all:3:1:8192:v32768+L2,"
+          "all:3:0:8192:v32768+L3")
 
 
 def study(w, states, parallel, plot):
@@ -357,7 +361,7 @@ def study(w, states, parallel, plot):
     W already holds), the best draft of each size confirmed through vLLM, the table and the plot."""
     prepare(w, 1000, 100, [16384, 32768])
     extract(w, states)
-    train(w, states, STUDY.split(","), parallel, [])
+    train(w, states, STUDY.split(",") + LEVERS.split(","), parallel, [])
     import torch
     measure(w, "cuda" if torch.cuda.is_available() else "cpu")
     m, best = best_epochs(w)
@@ -369,6 +373,11 @@ def study(w, states, parallel, plot):
                     m[f"{sizes[size]}/{best[sizes[size]]}"]["k3"]["acceptance_length"]:
                 sizes[size] = run
     confirm(w, sorted(f"{run}/{best[run]}" for run in sizes.values()), "sizes", 100, 1)  # each size's best epoch
+    levers = [run for run in best if re.fullmatch(r"nall-s\d+-t\d+-v\d+(-L\d+)?", run)]
+    if levers:  # the winner at all the data, beside the baseline's best epoch
+        win = max(levers, key=lambda r: m[f"{r}/{best[r]}"]["k3"]["acceptance_length"])
+        confirm(w, [f"{win}/{best[win]}", f"{sizes['nall']}/{best[sizes['nall']]}"] if "nall" in sizes
+                else [f"{win}/{best[win]}"], "winner", 100, 1)
     report(w, plot)
 
 

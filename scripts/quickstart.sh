@@ -29,15 +29,16 @@ MODEL=data/models/smollm2-135m-instruct
 N=${NUM_SAMPLES:-300}
 EPOCHS=${EPOCHS:-1}
 PROMPTS=${NUM_PROMPTS:-8}
-GPU=0; STATES=(); DRAFT_VOCAB=8192; LAYERS=()
+GPU=0; STATES=(); DRAFT_VOCAB=8192; LAYERS=(); TOKENS=()
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   # at all the conversations a 32,768-token vocabulary and a second layer each add acceptance (docs/RECIPE.md); at
   # the CPU's few hundred the config's 8,192 and one layer stay
-  GPU=1; STATES=(--storage-dtype fp8); DRAFT_VOCAB=32768; LAYERS=(--num-layers 2)
+  # and 8,192 tokens a step, as the study trained it (the config's 2,048 leaves the GPU waiting on launches)
+  GPU=1; STATES=(--storage-dtype fp8); DRAFT_VOCAB=32768; LAYERS=(--num-layers 2); TOKENS=(--total-seq-len 8192)
   total=$($PY -c 'from eagle3pipe.conversations import iter_records as r; print(sum(1 for _ in r("sharegpt")))')
   N=${NUM_SAMPLES:-$((total - 1000))}; EPOCHS=${EPOCHS:-3}; PROMPTS=${NUM_PROMPTS:-100}
   echo "quickstart: an NVIDIA GPU: training on $N of the package's $total ShareGPT conversations (the last 1,000" \
-       "kept for the evaluation), $EPOCHS epochs, a two-layer draft with a 32,768-token vocabulary, hidden states in" \
+       "kept for the evaluation), $EPOCHS epochs, a two-layer draft with a 32,768-token vocabulary, 8,192 tokens a step, hidden states in" \
        "fp8 (about 55 GB of disk for all of them); on a CPU the quickstart fits ~25 minutes instead"
 fi
 VOCAB=data/vocab_map_$DRAFT_VOCAB
@@ -66,7 +67,8 @@ fi
 $PY 02_extract_hidden_states.py --config $CFG ${STATES[@]+"${STATES[@]}"}; stamp "02 extract"
 $PY 03_build_vocab_mapping.py --config $CFG --draft-vocab-size $DRAFT_VOCAB --output-dir $VOCAB
 stamp "03 vocab map"
-$PY 04_train.py --config $CFG --epochs "$EPOCHS" --vocab-mapping $VOCAB ${LAYERS[@]+"${LAYERS[@]}"}
+$PY 04_train.py --config $CFG --epochs "$EPOCHS" --vocab-mapping $VOCAB ${LAYERS[@]+"${LAYERS[@]}"} \
+    ${TOKENS[@]+"${TOKENS[@]}"}
 stamp "04 train"
 $PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "$PROMPTS" \
     --max-new-tokens 64 --batch-sizes 1,4;                           stamp "05 evaluate"
