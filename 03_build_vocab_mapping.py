@@ -18,7 +18,6 @@ import os
 from eagle3pipe import cli, files, outdir
 
 
-
 def parse_args(argv=None):
     p = cli.Parser(description="Stage 03: build the draft vocabulary mapping (d2t / t2d).")
     p.add_argument("--prepared-data", default="data/prepared", help="stage 01 output folder")
@@ -37,7 +36,10 @@ def main():
     prep = files.load_stage("--prepared-data", args.prepared_data, "prepare")
     inputs = [("--prepared-data", args.prepared_data)]
     outdir.check("--output-dir", args.output_dir, "vocab", inputs)
-    vocab = prep["verifier"]["vocab_size"]
+    vocab, manifest = prep["verifier"]["vocab_size"], os.path.join(args.prepared_data, files.MANIFEST)
+    if vocab < 1:
+        raise cli.UsageError(f"{manifest}: field 'vocab_size' of 'verifier' is {vocab}, not a vocabulary size; rerun "
+                             f"01_prepare_dataset.py")
     if not 1 <= args.draft_vocab_size <= vocab:
         raise cli.UsageError(f"--draft-vocab-size {args.draft_vocab_size}: must be between 1 and the verifier "
                              f"vocab size {vocab}")
@@ -52,6 +54,12 @@ def main():
     if freq.ndim != 1 or freq.shape[0] != vocab or not np.issubdtype(freq.dtype, np.integer):
         raise cli.UsageError(f"{freq_path}: expected int64 [{vocab}], got {freq.dtype} {list(freq.shape)}; "
                              f"rerun 01_prepare_dataset.py")
+    if (freq < 0).any():
+        raise cli.UsageError(f"{freq_path}: holds negative counts (token id {int(np.argmax(freq < 0))}): not stage 01's "
+                             f"file; rerun 01_prepare_dataset.py")
+    if int(freq.sum()) != prep["counts"]["loss_tokens"]:
+        raise cli.UsageError(f"{freq_path}: counts {int(freq.sum()):,} loss-masked tokens, its folder's {files.MANIFEST} "
+                             f"{prep['counts']['loss_tokens']:,}: not this run's file; rerun 01_prepare_dataset.py")
     d2t, t2d, coverage = build_mapping(freq, args.draft_vocab_size)
 
     out = outdir.claim("--output-dir", args.output_dir, "vocab", inputs)

@@ -81,7 +81,7 @@ SCHEMA = {
 }
 # nested fields later stages read: {stage: {parent: {key: type}}}
 NESTED = {"prepare": {"counts": {"rows": int, "tokens": int, "records_read": int, "max_row_tokens": int,
-                                 "max_token_id": int}},
+                                 "max_token_id": int, "loss_tokens": int}, "verifier": {"vocab_size": int}},
           "extract": {"counts": {"rows": int}, "identity": {"prepared": str}},
           "vocab": {"counts": {"draft_vocab_size": int}}}
 

@@ -168,3 +168,34 @@ def test_the_default_model_conversion_never_replaces_a_folder_it_did_not_make(tm
     p, secs = run_script("-m", "eagle3pipe.default_model", "--output-dir", str(mine))
     assert_refused(p, secs, str(mine), "not a conversion of this script")
     assert snapshot(tmp_path) == before
+
+
+def _edited_copy(prepared, dst, manifest=None, freq=None):
+    import shutil
+    shutil.copytree(prepared, dst)
+    if manifest:
+        man = json.load(open(dst / "manifest.json"))
+        manifest(man)
+        (dst / "manifest.json").write_text(json.dumps(man))
+    if freq:
+        f = np.load(dst / "token_freq.npy")
+        np.save(dst / "token_freq.npy", freq(f))
+    return dst
+
+
+@pytest.mark.parametrize("edit,needles", [
+    (dict(manifest=lambda m: m["verifier"].update(vocab_size=None)), ["manifest.json", "'vocab_size'", "NoneType"]),
+    (dict(manifest=lambda m: m["verifier"].update(vocab_size="49152")), ["manifest.json", "'vocab_size'", "str"]),
+    (dict(manifest=lambda m: m["verifier"].update(vocab_size=0)), ["manifest.json", "'vocab_size'", "is 0"]),
+    (dict(manifest=lambda m: m["verifier"].update(vocab_size=True)), ["manifest.json", "'vocab_size'", "bool"]),
+    # another run's counts (here: twice this run's), and counts no stage 01 writes
+    (dict(freq=lambda f: f * 2), ["token_freq.npy", "not this run's file", "rerun 01_prepare_dataset.py"]),
+    (dict(freq=lambda f: np.where(np.arange(f.size) == 7, -5000, f)), ["token_freq.npy", "negative counts",
+                                                                          "token id 7"]),
+])
+def test_vocab_refuses_a_stage01_folder_whose_manifest_or_counts_do_not_hold(prepared, tmp_path, edit, needles):
+    src = _edited_copy(prepared, tmp_path / "prep", **edit)
+    p, secs = run_script("03_build_vocab_mapping.py", "--prepared-data", str(src), "--draft-vocab-size", "512",
+                         "--output-dir", str(tmp_path / "v"))
+    assert_refused(p, secs, *needles)
+    assert not (tmp_path / "v").exists()
