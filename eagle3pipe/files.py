@@ -222,7 +222,8 @@ def load_stage(flag, folder, stage):
     """The manifest of a finished input stage, or an error naming the stage to (re)run."""
     script = STAGE_SCRIPTS[stage]
     if not os.path.isdir(folder):
-        raise UsageError(f"{flag} {folder}: folder not found; run {script} first")
+        what = "is a file, expected its output folder" if os.path.exists(folder) else "folder not found"
+        raise UsageError(f"{flag} {folder}: {what}; run {script} first")
     m = read_manifest(folder)
     if m is None:
         raise UsageError(f"{flag} {folder}: no {MANIFEST} (incomplete or not a stage output); rerun {script}")

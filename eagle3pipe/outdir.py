@@ -74,6 +74,10 @@ def check_path(flag, path, inputs=()):
     """The real output path, or a one-line refusal. `inputs`: [(flag, path)] of this run's local inputs."""
     if path is None or not str(path).strip():
         raise UsageError(f"{flag}: empty path; give a folder for this stage's output")
+    given = os.path.expanduser(path)
+    if os.path.islink(given) and not os.path.exists(given):  # writing there would make the link's target for it
+        raise UsageError(f"{flag} {path}: a link to {quote(os.readlink(given))}, which does not exist; give an existing "
+                         f"folder or a new path")
     real = _real(path)
     for what, p in (("the filesystem root", "/"), ("your home folder", os.path.expanduser("~")),
                     ("the repository root", REPO), ("the working folder", os.getcwd())):
@@ -89,6 +93,15 @@ def check_path(flag, path, inputs=()):
             raise UsageError(f"{flag} {path}: {rel} the input {in_flag} {p}; give a separate output folder")
     if os.path.exists(real) and not os.path.isdir(real):
         raise UsageError(f"{flag} {path}: is a file, expected a folder")
+    up = os.path.dirname(real)
+    while up != os.path.dirname(up):
+        if os.path.lexists(up) and not os.path.isdir(up):
+            raise UsageError(f"{flag} {path}: {quote(up)} is a file, not a folder")
+        if os.path.lexists(os.path.join(up, LEDGER)) or os.path.lexists(os.path.join(up, OLD_RECORD)):
+            # the stage that owns `up` would find a stranger at its next run (a rerun, a resume) and stop
+            raise UsageError(f"{flag} {path}: inside {quote(up)}, a stage's output folder; give a folder beside "
+                             f"it, not inside it")
+        up = os.path.dirname(up)
     return real
 
 

@@ -104,6 +104,7 @@ def test_prepare_refuses_bad_data(tmp_path, model_path, name, content, needles):
     (["--data-path", "x"], ["unknown flag --data-path", "did you mean --prepared-data"]),
     (["--prepared-data", "/nonexistent"], ["--prepared-data /nonexistent", "01_prepare_dataset.py"]),
     (["--draft-vocab-size", "abc"], ["--draft-vocab-size", "invalid int"]),
+    (["--prepared-data", "README.md"], ["--prepared-data README.md: is a file, expected its output folder"]),
 ])
 def test_vocab_refuses_bad_flags(argv, needles):
     p, secs = run_script("03_build_vocab_mapping.py", *argv)

@@ -81,3 +81,21 @@ def test_a_refusal_names_the_holder_even_while_it_takes_or_renames_its_lock(tmp_
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_an_output_inside_a_stage_folder_or_under_a_file_or_through_a_dangling_link_is_refused(tmp_path):
+    stage_dir = tmp_path / "vocab_map"
+    _claim(stage_dir)  # a stage's output folder, with its record
+    for where in (stage_dir / "inner", stage_dir / "a" / "b"):
+        # the stage owning stage_dir would find a stranger at its next run and stop: refused before anything exists
+        with pytest.raises(UsageError, match=r"inside .*vocab_map, a stage's output folder; give a folder beside"):
+            outdir.check("--output-dir", str(where), "evaluate")
+        assert not where.exists()
+    _claim(tmp_path / "beside", "evaluate")  # beside it is fine
+    (tmp_path / "afile").write_text("a person's file\n")
+    with pytest.raises(UsageError, match=r"--output-dir .*afile/ev: .*afile is a file, not a folder"):
+        outdir.check("--output-dir", str(tmp_path / "afile" / "ev"), "vocab")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    with pytest.raises(UsageError, match=r"--output-dir .*dangling: a link to .*nowhere, which does not exist"):
+        outdir.check("--output-dir", str(tmp_path / "dangling"), "vocab")
+    assert not (tmp_path / "nowhere").exists() and (tmp_path / "afile").read_text() == "a person's file\n"
