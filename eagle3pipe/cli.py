@@ -244,7 +244,7 @@ def load_config(path, section):
     Every key anywhere is checked: a top-level key must be some stage's, a section's key that stage's, each with
     its type; a key twice is refused. -> {record field: value}."""
     import yaml
-    from .settings import STAGES, config_keys, kind
+    from .settings import STAGES, config_keys, kind, on_off_keys
 
     if not os.path.exists(path):
         raise UsageError(f"--config {path}: file not found")
@@ -266,6 +266,8 @@ def load_config(path, section):
 
     def one_or_list(value, allowed, key):  # a list-of-paths key (evaluate.draft) also takes one path
         hint = (allowed.get(key) or (None, None))[1]
+        if isinstance(value, bool) and hint is str and key in on_off_keys():  # YAML 1.1 reads a bare on/off
+            return "on" if value else "off"                                   # (yes/no) as true/false
         return [value] if isinstance(value, str) and typing.get_args(hint) == (str,) else value
     for key, value in list(data.items()):
         if key in STAGES:

@@ -300,6 +300,12 @@ class Evaluate(Record):
 RECORDS = {"prepare": Prepare, "extract": Extract, "vocab": Vocab, "train": Train, "evaluate": Evaluate}
 
 
+def on_off_keys():
+    """The string fields whose choices hold "on" and "off" (a config's bare on/off arrives as a YAML boolean)."""
+    return {f.name for cls in RECORDS.values() for f in dataclasses.fields(cls)
+            if {"on", "off"} <= set(f.metadata.get("choices", ()))}
+
+
 def config_keys(stage):
     """{config key: (record field, type hint)} a config file may set for `stage`."""
     cls = RECORDS[stage]

@@ -58,3 +58,15 @@ def test_every_script_flag_is_a_record_field_and_a_config_key():
         assert parser_dests - {"config", "help"} == fields, script
         missing = parser_dests - local - set(settings.config_keys(stage))
         assert not missing, f"{script}: flags without a config key: {missing}"
+
+
+@pytest.mark.parametrize("written,value", [("off", "off"), ("on", "on"), ("'off'", "off"), ("no", "off"),
+                                           ("auto", "auto")])
+def test_a_bare_on_or_off_in_a_config_means_the_word(tmp_path, written, value):
+    # YAML 1.1 reads a bare on/off (yes/no) as a boolean; a key whose choices are those words takes it as the word
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"evaluate:\n  measure: {written}\n")
+    assert cli.load_config(str(cfg), "evaluate")["measure"] == value
+    cfg.write_text("evaluate:\n  measure: 3\n")
+    with pytest.raises(cli.UsageError, match="key 'evaluate.measure' must be"):
+        cli.load_config(str(cfg), "evaluate")
