@@ -44,10 +44,22 @@ def train_manifest(draft):
     return man if isinstance(man, dict) and man.get("stage") == "train" else {}
 
 
-def run_name(draft):
-    """What a draft is called among others: its stage 04 folder's name (a checkpoint's parent, or the folder given)."""
-    real = os.path.realpath(draft)
-    return os.path.basename(os.path.dirname(real) if os.path.isfile(os.path.join(real, "config.json")) else real)
+def run_names(drafts):
+    """What each draft is called among the others: its stage 04 folder's name (a checkpoint's parent, or the folder
+    given), with as many of the folders above it as tell it from another run's folder of the same name
+    (runs/a/checkpoints and runs/b/checkpoints: a/checkpoints, b/checkpoints)."""
+    def folder(draft):
+        real = os.path.realpath(draft)
+        return os.path.dirname(real) if os.path.isfile(os.path.join(real, "config.json")) else real
+    folders = [folder(d) for d in drafts]
+    depth = dict.fromkeys(folders, 1)
+    while True:  # different real paths differ at some depth: this ends
+        names = {f: "/".join(f.split(os.sep)[-depth[f]:]) for f in depth}
+        clash = [f for f in depth if list(names.values()).count(names[f]) > 1]
+        if not clash:
+            return [names[f] for f in folders]
+        for f in clash:
+            depth[f] += 1
 
 
 def drafts_to_measure(drafts, fp, text_cfg, tp=1, k=None):
@@ -58,8 +70,8 @@ def drafts_to_measure(drafts, fp, text_cfg, tp=1, k=None):
     -> ([(name, path)], [warnings])."""
     from .draft_check import check_folder
     found, warnings = [], []
-    for draft in drafts:
-        found += [(name if len(drafts) == 1 else f"{run_name(draft)}/{name}", path) for name, path in candidates(draft)]
+    for draft, run in zip(drafts, run_names(drafts)):
+        found += [(name if len(drafts) == 1 else f"{run}/{name}", path) for name, path in candidates(draft)]
     seen = {}
     for name, path in found:
         if os.path.realpath(path) in seen.values() or name in seen:

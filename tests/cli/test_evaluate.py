@@ -112,6 +112,11 @@ def test_several_drafts_are_named_by_their_run(model_path, trained, tmp_path):
     last = os.path.basename(os.path.realpath(out / "last"))
     epochs = sorted(n for n in os.listdir(other) if n.isdigit())
     assert [n for n, _ in found] == [f"{out.name}/{last}"] + [f"other-run/{e}" for e in epochs]
+    # two runs whose folders share a name (runs/a/checkpoints, runs/b/checkpoints) are told apart by the folder above
+    for run in ("a", "b"):
+        shutil.copytree(out, tmp_path / "runs" / run / "checkpoints", symlinks=True)
+    found, _ = evaluation.drafts_to_measure([str(tmp_path / "runs" / r / "checkpoints" / "last") for r in "ab"], fp, tc)
+    assert [n for n, _ in found] == [f"a/checkpoints/{last}", f"b/checkpoints/{last}"]
 
 
 def test_dry_run_checks_every_checkpoint_and_the_prompt_lengths_then_stops(model_path, stages, trained, tmp_path):
