@@ -73,14 +73,18 @@ def main():
     outdir.check("--output-dir", args.output_dir, "evaluate", inputs)
     skip, unknown = evaluation.held_out_skip(args.prompts, args.prepared_data)  # never evaluate on training data
     train_metrics, cut = evaluation.read_train_metrics(drafts[0][1])
-    prompts = evaluation.select_prompts(args, skip)
+    wheres = []
+    prompts = evaluation.select_prompts(args, skip, wheres)
     # the one check that needs the tokenizer (transformers), after every cheap one and before the folder is taken
     from eagle3pipe.masks import load_tokenizer, prompt_ids
     tok = load_tokenizer(args.model_path, args.trust_remote_code)
     ids = [prompt_ids(tok, p) for p in prompts]  # each render within the template's time budget
-    max_len = draft_check.max_model_len(max(len(i) for i in ids), args, fp.get("max_position_embeddings"))
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    max_len = draft_check.max_model_len(len(ids[longest]), args, fp.get("max_position_embeddings"), wheres[longest])
     dtype = compute.resolve(args.dtype, bool(gpus))
-    warnings = [w for w in [unknown, cut] + mismatches if w]
+    fewer = (f"--num-prompts {args.num_prompts}: {args.prompts} holds {len(prompts)} usable prompts after the first "
+             f"{skip} records; evaluating those") if len(prompts) < args.num_prompts else None
+    warnings = [w for w in [unknown, cut, fewer] + mismatches if w]
     if args.dry_run:
         for warning in warnings:
             log.warning(warning)

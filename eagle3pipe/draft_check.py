@@ -119,16 +119,21 @@ def check_run(args, fp, text_cfg, gpus):
                          f"05 on a GPU machine")
 
 
-def max_model_len(longest, args, maxpos):
-    """vLLM's max_model_len for prompts of at most `longest` tokens, refused when they cannot fit the verifier's
-    positions (vLLM would refuse it only after loading)."""
+def max_model_len(longest, args, maxpos, where=None):
+    """vLLM's max_model_len for prompts of at most `longest` tokens (`where`: the longest one's record), refused
+    when they cannot fit the verifier's positions (vLLM would refuse it only after loading)."""
     k, new = args.num_speculative_tokens, args.max_new_tokens
     need = longest + new + k
     if _int(maxpos) and maxpos > 0:
+        if longest + k + 1 > maxpos:  # not even one new token: no --max-new-tokens helps
+            raise UsageError(f"--prompts {where or args.prompts}: a prompt of {longest} tokens; with "
+                             f"--num-speculative-tokens {k} the verifier's {maxpos} positions leave no room for an "
+                             f"answer: give prompts without it")
         if need > maxpos:
             raise UsageError(f"--max-new-tokens {new}: the longest prompt ({longest} tokens) + {new} new + {k} "
                              f"speculative tokens = {need} positions; the verifier handles {maxpos}: lower "
-                             f"--max-new-tokens to at most {max(maxpos - longest - k, 0)}, or give shorter prompts")
+                             f"--max-new-tokens to at most {maxpos - longest - k}, or give shorter prompts (the "
+                             f"longest: {where or args.prompts})")
         return min(need + 8, maxpos)  # a little room; never past what vLLM derives from the config
     return need + 8
 

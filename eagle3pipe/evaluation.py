@@ -214,9 +214,10 @@ def read_train_metrics(draft):
                      if bad else None)
 
 
-def select_prompts(args, skip):
+def select_prompts(args, skip, wheres=None):
     """First user turn (with any system turn before it) of conversations from --prompts, after `skip` records
-    (the range stage 01 trained on, for the default ShareGPT source)."""
+    (the range stage 01 trained on, for the default ShareGPT source). `wheres`: a list that gets each prompt's
+    record ("file:line")."""
     from .conversations import iter_records, normalize
     prompts, n = [], 0
     for where, rec in iter_records(args.prompts, flag="--prompts"):
@@ -224,13 +225,12 @@ def select_prompts(args, skip):
         if n <= skip:
             continue
         _, msgs = normalize(where, rec)
-        head = []
-        for m in msgs:
-            head.append(m)
-            if m["role"] == "user":
-                break
-        if head and head[-1]["role"] == "user" and head[-1]["content"].strip():
+        user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
+        head = [m for m in msgs[:user] if m["role"] == "system"] + [msgs[user]] if user is not None else []
+        if head and head[-1]["content"].strip():
             prompts.append(head)
+            if wheres is not None:
+                wheres.append(where)
         if len(prompts) >= args.num_prompts:
             break
     if not prompts:

@@ -139,5 +139,36 @@ def test_dry_run_checks_every_checkpoint_and_the_prompt_lengths_then_stops(model
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
     assert lines[0].startswith("error: --max-new-tokens 8180: the longest prompt (") and "8192" in lines[0], lines
+    assert "the longest: " in lines[0], lines  # the record, to find it
     assert "vllm" not in p.heavy, p.heavy
+    # a prompt longer than the verifier's positions: no --max-new-tokens can help, so the line names the record
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                    + json.dumps({"messages": [{"role": "user", "content": "word " * 9000}]}) + "\n")
+    p, _ = run_script(*common, "--draft", str(out / "last"), "--prompts", str(huge), "--dry-run")
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith(f"error: --prompts {huge}:2: a prompt of ") and "leave no room" in lines[0], lines
+    # fewer usable prompts than --num-prompts: one warning line, and the run goes on with those
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps({"messages": [{"role": "assistant", "content": "Hello!"},
+                                                    {"role": "user", "content": f"Question {i}?"}]}) + "\n"
+                           for i in range(2)))
+    p, _ = run_script(*common, "--draft", str(out / "last"), "--prompts", str(few), "--dry-run")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"--num-prompts 3: {few} holds 2 usable prompts after the first 0 records" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "ev").exists() and snapshot(out) == before
+
+
+def test_a_prompt_is_the_first_user_turn_after_any_system_turn(tmp_path):
+    import argparse
+    from eagle3pipe import evaluation
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                             {"role": "assistant", "content": "Hello, how can I help?"},
+                                             {"role": "user", "content": "Name a color."},
+                                             {"role": "assistant", "content": "Blue."}]}) + "\n")
+    wheres = []
+    got = evaluation.select_prompts(argparse.Namespace(prompts=str(data), num_prompts=5), 0, wheres)
+    assert got == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]]
+    assert wheres == [f"{data}:1"]
