@@ -87,15 +87,30 @@ def _iter_jsonl(path):
             yield f"{path}:{lineno}", rec
 
 
+def _json_lines_inside(path):
+    """Whether a .json file holds JSON Lines: its first line is a whole JSON object and more follows it. (A wrapper
+    object printed over several lines has a first line that is not whole; one object on one line is one record.)"""
+    with open(path, "rb") as f:
+        if not f.read(4096).lstrip(b"\xef\xbb\xbf").lstrip().startswith(b"{"):
+            return False
+        f.seek(0)
+        first = f.readline()
+        while first and not first.lstrip(b"\xef\xbb\xbf").strip():
+            first = f.readline()
+        rest = f.read(4096).strip()
+    try:
+        return isinstance(json.loads(first.lstrip(b"\xef\xbb\xbf")), dict) and rest.startswith(b"{")
+    except (ValueError, RecursionError):
+        return False
+
+
 def _iter_file(path, flag="--dataset"):
     if os.path.getsize(path) == 0:
         raise UsageError(f"{flag} {path}: file is empty")
     if path.endswith(".jsonl"):
         yield from _iter_jsonl(path)
     elif path.endswith(".json"):
-        with open(path, "rb") as f:
-            head = f.read(4096).lstrip(b"\xef\xbb\xbf").lstrip()
-        if head.startswith(b"{") and b"\n{" in head:  # JSON Lines under a .json name
+        if _json_lines_inside(path):  # JSON Lines under a .json name
             yield from _iter_jsonl(path)
             return
         try:
@@ -107,7 +122,9 @@ def _iter_file(path, flag="--dataset"):
             raise UsageError(f"{path}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
         except RecursionError:
             raise UsageError(f"{path}: JSON nested too deep")
-        if isinstance(data, dict):  # {"data": [...]} or {"train": [...]}: the one list inside
+        if isinstance(data, dict) and ("conversations" in data or "messages" in data):
+            data = [data]  # one conversation
+        elif isinstance(data, dict):  # {"data": [...]} or {"train": [...]}: the one list inside
             lists = [v for v in data.values() if isinstance(v, list)]
             if len(lists) != 1:
                 raise UsageError(f"{path}: expected a JSON array of records (or an object holding one)")

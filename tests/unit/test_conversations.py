@@ -62,3 +62,18 @@ def test_embedded_sharegpt_streams_to_its_truncation():
         conv.normalize(where, rec)
         n += 1
     assert n == 17671 and info["truncated_source"] is True
+
+
+def test_a_json_file_is_read_as_what_it_holds_not_as_its_first_bytes_look(tmp_path):
+    rec = {"messages": [{"role": "user", "content": "q " * 1500}, {"role": "assistant", "content": "a"}]}
+    cases = {
+        "wrapper_indent0.json": json.dumps({"data": [rec, rec]}, indent=0),  # its first line is a lone "{"
+        "lines_long.json": "\n" + "".join(json.dumps(rec) + "\n" for _ in range(2)),  # lines over 4 KiB
+        "one_conversation.json": json.dumps(rec),
+        "one_conversation_pretty.json": json.dumps(rec, indent=2),
+    }
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        got = list(conv.iter_records(str(tmp_path / name)))
+        want = 1 if name.startswith("one_") else 2
+        assert [r for _, r in got] == [rec] * want, name
