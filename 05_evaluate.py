@@ -89,7 +89,7 @@ def main():
         for warning in warnings:
             log.warning(warning)
         print(f"dry run: {len(drafts)} checkpoint(s) checked ({', '.join(n for n, _ in drafts)}); {len(prompts)} "
-              f"prompts of at most {max(len(i) for i in ids)} tokens, max_model_len {max_len}; {dtype.describe()}; "
+              f"prompts (after the first {skip} records, which stage 01 read) of at most {max(len(i) for i in ids)} tokens, max_model_len {max_len}; {dtype.describe()}; "
               f"{f'{len(gpus)} GPU(s), --tp-size {args.tp_size}' if gpus else 'CPU'}; nothing loaded, nothing written")
         return 0
     out = outdir.claim("--output-dir", args.output_dir, "evaluate", inputs)

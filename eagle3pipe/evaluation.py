@@ -188,8 +188,36 @@ def held_out_skip(prompts, prepared_data):
     def source(name, cwd):
         path = os.path.join(cwd or os.getcwd(), name) if isinstance(name, str) else None
         return os.path.realpath(path) if path and os.path.exists(path) else name
-    same = source(prep["args"].get("dataset"), prep.get("cwd")) == source(prompts, None)
-    return (prep["counts"]["records_read"] if same else 0), None
+    trained, asked, read = source(prep["args"].get("dataset"), prep.get("cwd")), source(prompts, None), \
+        prep["counts"]["records_read"]
+    if trained == asked:
+        return read, None
+    if not (isinstance(trained, str) and os.path.isabs(trained) and os.path.isabs(asked)):
+        return 0, None  # a hub id or the embedded source against another: no record in common
+    if asked.startswith(trained.rstrip(os.sep) + os.sep):  # a file or folder of the folder stage 01 read
+        return _trained_within(trained, asked, read), None
+    if trained.startswith(asked.rstrip(os.sep) + os.sep):
+        raise UsageError(f"--prompts {prompts}: holds the dataset stage 01 trained on ({trained}, --prepared-data "
+                         f"{prepared_data}) among other records, which cannot be told apart by their order: give "
+                         f"a file or folder stage 01 did not read")
+    return 0, None
+
+
+def _trained_within(folder, part, read):
+    """How many leading records of `part` (a file or folder inside the dataset folder stage 01 read) were among
+    the first `read` records of `folder`, which stage 01 read file after file in dataset_files' order."""
+    import itertools
+    from .conversations import dataset_files, iter_records
+    before = 0
+    for path in dataset_files(folder, "--prepared-data's dataset"):
+        real = os.path.realpath(path)
+        if real == part or real.startswith(part.rstrip(os.sep) + os.sep):
+            left = max(0, read - before)  # part's files come one after another in that order
+            return sum(1 for _ in itertools.islice(iter_records(part, flag="--prompts"), left))
+        if before >= read:
+            return 0
+        before += sum(1 for _ in iter_records(path, flag="--prepared-data's dataset"))
+    return 0
 
 
 def read_train_metrics(draft):

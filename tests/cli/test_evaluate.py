@@ -83,6 +83,23 @@ def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, 
     assert evaluation.held_out_skip("chats.jsonl", str(prep))[0] == m["counts"]["records_read"]
     assert evaluation.held_out_skip(str(data), str(prep))[0] == m["counts"]["records_read"]
     assert evaluation.held_out_skip("sharegpt", str(prep))[0] == 0  # another source: nothing of it was trained on
+    # stage 01 read the first 7 records of a folder (a.jsonl's 4, then 3 of b.jsonl's 5): --prompts naming one
+    # file of it skips what was read of that file; a folder holding the dataset among other records is refused
+    rec = json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n"
+    folder = tmp_path / "chats"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.jsonl").write_text(rec * 4)
+    (folder / "sub" / "b.jsonl").write_text(rec * 5)
+    m["args"]["dataset"], m["counts"]["records_read"] = str(folder), 7
+    json.dump(m, open(prep / "manifest.json", "w"))
+    assert evaluation.held_out_skip(str(folder / "a.jsonl"), str(prep)) == (4, None)
+    assert evaluation.held_out_skip(str(folder / "sub" / "b.jsonl"), str(prep)) == (3, None)
+    assert evaluation.held_out_skip(str(folder / "sub"), str(prep)) == (3, None)
+    assert evaluation.held_out_skip(str(folder), str(prep)) == (7, None)
+    import pytest
+    from eagle3pipe.errors import UsageError
+    with pytest.raises(UsageError, match="holds the dataset stage 01 trained on"):
+        evaluation.held_out_skip(str(tmp_path), str(prep))
 
 
 def test_a_training_log_cut_short_is_named_not_fatal(trained, tmp_path):
