@@ -296,6 +296,9 @@ def _check_key(path, key, value, allowed, where, kind):
                          + (f"; did you mean '{hint[0]}'?" if hint else ""))
     if value is None:
         return
+    from .settings import path_fields
+    if allowed[key][0] in path_fields() and isinstance(value, str) and not value.strip():
+        raise UsageError(f"--config {path}: key '{where}{key}' is empty; give a path, or leave the key out")
     hint_type = allowed[key][1]
     try:
         _check_type(key, value, hint_type)

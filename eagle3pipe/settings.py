@@ -300,6 +300,11 @@ class Evaluate(Record):
 RECORDS = {"prepare": Prepare, "extract": Extract, "vocab": Vocab, "train": Train, "evaluate": Evaluate}
 
 
+def path_fields():
+    """The fields that hold paths (rule(path=True)): an empty one in a config is refused naming the key."""
+    return {f.name for cls in RECORDS.values() for f in dataclasses.fields(cls) if f.metadata.get("path")}
+
+
 def on_off_keys():
     """The string fields whose choices hold "on" and "off" (a config's bare on/off arrives as a YAML boolean)."""
     return {f.name for cls in RECORDS.values() for f in dataclasses.fields(cls)

@@ -49,11 +49,11 @@ def test_empty_output_paths_are_refused_by_every_stage(prep, model_path, tmp_pat
                  ["05_evaluate.py", "--model-path", model_path, "--output-dir", ""]):
         p, secs = run_script(script(argv[0]), *argv[1:], cwd=user_folder)
         assert_refused(p, secs, "--output-dir: empty path")
-    cfg = tmp_path / "c.yaml"  # an empty output key in a config file is the same empty path
+    cfg = tmp_path / "c.yaml"  # an empty output key in a config file is refused naming the file and the key
     cfg.write_text('vocab_mapping: ""\n')
     p, secs = run_script(script("03_build_vocab_mapping.py"), "--config", str(cfg), "--prepared-data", str(prep),
                          cwd=user_folder)
-    assert_refused(p, secs, "--output-dir: empty path")
+    assert_refused(p, secs, f"--config {cfg}: key 'vocab_mapping' is empty")
     assert snapshot(user_folder, prep) == before
 
 

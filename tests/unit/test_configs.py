@@ -70,3 +70,12 @@ def test_a_bare_on_or_off_in_a_config_means_the_word(tmp_path, written, value):
     cfg.write_text("evaluate:\n  measure: 3\n")
     with pytest.raises(cli.UsageError, match="key 'evaluate.measure' must be"):
         cli.load_config(str(cfg), "evaluate")
+
+
+@pytest.mark.parametrize("text,key", [("vocab_mapping: ''\n", "vocab_mapping"), ("vocab:\n  prepared_data: ' '\n",
+                                                                                  "vocab.prepared_data")])
+def test_an_empty_path_in_a_config_is_named_by_its_key(tmp_path, text, key):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(cli.UsageError, match=f"--config {cfg}: key '{key}' is empty; give a path"):
+        cli.load_config(str(cfg), "vocab")
