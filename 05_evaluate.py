@@ -69,7 +69,7 @@ def main():
     inputs = [("--model-path", args.model_path), ("--prompts", args.prompts), ("--prepared-data", args.prepared_data)]
     for d in args.draft:  # nothing goes inside a draft's stage 04 folder
         run = os.path.dirname(os.path.realpath(d)) if os.path.isfile(os.path.join(d, "config.json")) else d
-        inputs.append(("--draft", run if files.read_manifest(run) is not None else d))
+        inputs.append(("--draft", run if os.path.lexists(os.path.join(run, files.MANIFEST)) else d))
     outdir.check("--output-dir", args.output_dir, "evaluate", inputs)
     skip, unknown = evaluation.held_out_skip(args.prompts, args.prepared_data)  # never evaluate on training data
     train_metrics, cut = evaluation.read_train_metrics(drafts[0][1])

@@ -63,8 +63,16 @@ def settings_of(args):
             "max_seq_len": args.max_seq_len}
 
 
+def prompt_digest(messages):
+    """What an answer answered: the conversation before it. Part of the cache's key beside the record's id and the
+    turn, so that two records sharing an id, or a record edited between runs, never take each other's answers."""
+    import hashlib
+    return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def load_cache(paths, settings):
-    """{(record id, turn): text} of earlier runs with the same settings; a line cut by a kill is ignored."""
+    """{(record id, turn, prompt digest): text} of earlier runs with the same settings; a line cut by a kill is
+    ignored, and so is one of a version that did not record its prompt."""
     done = {}
     for path in paths:
         if not os.path.exists(path):
@@ -74,7 +82,7 @@ def load_cache(paths, settings):
                 try:
                     r = json.loads(line)
                     if r.get("settings") == settings:
-                        done[(r["id"], r["turn"])] = r["text"]
+                        done[(r["id"], r["turn"], r["prompt"])] = r["text"]
                 except (ValueError, AttributeError, KeyError, TypeError, RecursionError):
                     continue
     return done
@@ -109,16 +117,18 @@ def run(records, tok, args, out):
             if turn >= len(pos):
                 continue
             active, m = True, pos[turn]
-            if (ids[j], turn) in done:
-                msgs[m]["content"] = done[(ids[j], turn)]
-                answers.append({"id": ids[j], "turn": turn, "text": msgs[m]["content"], "settings": settings})
+            key = (ids[j], turn, prompt_digest(msgs[:m]))
+            if key in done:
+                msgs[m]["content"] = done[key]
+                answers.append({"id": ids[j], "turn": turn, "prompt": key[2], "text": msgs[m]["content"],
+                                "settings": settings})
                 counts["turns_from_cache"] += 1
                 continue
             prompt = list(masks.prompt_ids(tok, msgs[:m]))
             if len(prompt) >= args.max_seq_len - 1:
                 cut[j] = m
                 continue
-            todo.append((j, m, prompt))
+            todo.append((j, m, prompt, key[2]))
         if not active:
             break
         if todo:
@@ -136,12 +146,13 @@ def run(records, tok, args, out):
                 params = [SamplingParams(temperature=args.regen_temperature,
                                          seed=args.seed + j * 1009 + turn if on_gpu else None,
                                          max_tokens=min(args.regen_max_tokens, args.max_seq_len - len(p) - 1))
-                          for j, _, p in chunk]
-                outs = engine.generate(llm, [{"prompt_token_ids": p} for _, _, p in chunk], params, use_tqdm=False)
+                          for j, _, p, _ in chunk]
+                outs = engine.generate(llm, [{"prompt_token_ids": p} for _, _, p, _ in chunk], params, use_tqdm=False)
                 with os.fdopen(outdir.open_append(path), "a", encoding="utf-8") as f:
-                    for (j, m, _), o in zip(chunk, outs):
+                    for (j, m, _, digest), o in zip(chunk, outs):
                         convs[j][m]["content"] = o.outputs[0].text
-                        answers.append({"id": ids[j], "turn": turn, "text": o.outputs[0].text, "settings": settings})
+                        answers.append({"id": ids[j], "turn": turn, "prompt": digest, "text": o.outputs[0].text,
+                                        "settings": settings})
                         f.write(json.dumps(answers[-1]) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
