@@ -239,6 +239,9 @@ def _yaml_loader():
     return Loader
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # what YAML 1.1 leaves a string: 3e-3, 1E5
+
+
 def load_config(path, section):
     """The config keys that apply to stage `section`: the top level's keys this stage takes, then its own section's.
     Every key anywhere is checked: a top-level key must be some stage's, a section's key that stage's, each with
@@ -266,6 +269,8 @@ def load_config(path, section):
 
     def one_or_list(value, allowed, key):  # a list-of-paths key (evaluate.draft) also takes one path
         hint = (allowed.get(key) or (None, None))[1]
+        if isinstance(value, str) and float in (hint, *typing.get_args(hint)) and _FLOAT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads 3e-3 (no dot) as a string; the flag takes it as a number
         if isinstance(value, bool) and hint is str and key in on_off_keys():  # YAML 1.1 reads a bare on/off
             return "on" if value else "off"                                   # (yes/no) as true/false
         return [value] if isinstance(value, str) and typing.get_args(hint) == (str,) else value
@@ -299,6 +304,9 @@ def _check_key(path, key, value, allowed, where, kind):
     from .settings import path_fields
     if allowed[key][0] in path_fields() and isinstance(value, str) and not value.strip():
         raise UsageError(f"--config {path}: key '{where}{key}' is empty; give a path, or leave the key out")
+    if isinstance(value, (list, tuple)) and not value:  # an empty list would read as "not given": the default
+        raise UsageError(f"--config {path}: key '{where}{key}' is an empty list; give its values, or leave the key "
+                         f"out for the default")
     hint_type = allowed[key][1]
     try:
         _check_type(key, value, hint_type)

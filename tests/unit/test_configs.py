@@ -79,3 +79,22 @@ def test_an_empty_path_in_a_config_is_named_by_its_key(tmp_path, text, key):
     cfg.write_text(text)
     with pytest.raises(cli.UsageError, match=f"--config {cfg}: key '{key}' is empty; give a path"):
         cli.load_config(str(cfg), "vocab")
+
+
+@pytest.mark.parametrize("written,value", [("3e-3", 3e-3), ("3.0e-3", 3e-3), ("1E-4", 1e-4), ("0.003", 3e-3)])
+def test_a_float_in_exponent_notation_is_a_number_in_a_config(tmp_path, written, value):
+    # YAML 1.1 reads 3e-3 (no dot) as the string '3e-3'; --lr 3e-3 is a number, and so is the config's
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"train:\n  lr: {written}\n")
+    assert cli.load_config(str(cfg), "train")["lr"] == pytest.approx(value)
+    cfg.write_text("train:\n  lr: fast\n")
+    with pytest.raises(cli.UsageError, match="key 'train.lr' must be a number"):
+        cli.load_config(str(cfg), "train")
+
+
+@pytest.mark.parametrize("text,key", [("layer_ids: []\n", "layer_ids"), ("evaluate:\n  draft: []\n", "evaluate.draft")])
+def test_an_empty_list_in_a_config_is_refused_not_read_as_the_default(tmp_path, text, key):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(cli.UsageError, match=f"key '{key}' is an empty list"):
+        cli.load_config(str(cfg), "extract")
