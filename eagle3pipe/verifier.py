@@ -134,6 +134,15 @@ def fingerprint(model_path):
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if not tc.get(k)]
     if missing:
         raise UsageError(f"--model-path {model_path}: config.json lacks {', '.join(missing)}")
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+                "max_position_embeddings"):  # counts every stage computes with: a float or a string is a hand edit
+        value = tc.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise UsageError(f"--model-path {model_path}: config.json's '{key}' is {value!r}, expected a positive "
+                             f"whole number")
+    if not isinstance(cfg.get("architectures") or [], list):
+        raise UsageError(f"--model-path {model_path}: config.json's 'architectures' is {cfg['architectures']!r}, "
+                         f"expected a list of class names")
     h = hashlib.sha256()
     found = []
     for name in TOKENIZER_FILES:

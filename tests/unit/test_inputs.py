@@ -42,3 +42,20 @@ def test_verifier_config_nested_too_deep(tmp_path):
     (tmp_path / "config.json").write_text("[" * DEEP)
     with pytest.raises(UsageError, match="config.json: not valid JSON \\(nested too deep\\)"):
         verifier.fingerprint(str(tmp_path))
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ({"max_position_embeddings": "8192"}, "'max_position_embeddings' is '8192'"),
+    ({"num_hidden_layers": 30.0}, "'num_hidden_layers' is 30.0"),
+    ({"num_attention_heads": 0}, "'num_attention_heads' is 0"),
+    ({"hidden_size": True}, "'hidden_size' is True"),
+    ({"architectures": "LlamaForCausalLM"}, "'architectures' is 'LlamaForCausalLM', expected a list"),
+])
+def test_a_verifier_config_with_a_count_of_the_wrong_type_is_named(tmp_path, edit, needle):
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576,
+           "vocab_size": 49152, "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert verifier.fingerprint(str(tmp_path))["num_hidden_layers"] == 30
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(UsageError, match=f"--model-path {tmp_path}: config.json's {needle}"):
+        verifier.fingerprint(str(tmp_path))
