@@ -123,5 +123,6 @@ def finish(args, plan, identity, rows, failed, stats):
     log.info(f"done: {ok} ok, {len(failed)} failed, {stats['resumed']} resumed; {tokens:,} tokens in {secs:.0f} s "
              f"({tokens / max(secs, 1e-9):,.0f} tok/s); {bytes_written / 1e9:.2f} GB in {out}")
     if failed:
-        log.error(f"{len(failed)} samples failed (reasons in {out}/manifest.json); stage 04 trains on the others")
+        log.error(f"{len(failed)} samples failed (reasons in {out}/manifest.json); "
+                  + ("stage 04 trains on the others" if ok else "none is left to train on"))
     return 1 if failed else 0

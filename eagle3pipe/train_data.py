@@ -258,12 +258,18 @@ def first_rows(args, rows, failed):
     return rows[:n], {i for i in failed if i < n}
 
 
-def check_split(rows, val_ratio):
-    """speculators splits the rows at int(rows x (1 - val_ratio)): both sides must hold a row."""
+def check_split(rows, val_ratio, failed=(), hidden_states=None):
+    """speculators splits the rows at int(rows x (1 - val_ratio)): both sides must hold a row, and a row stage 02
+    extracted (`failed`: the rows it could not; their batches would come out empty mid-run)."""
     cut = int(rows * (1 - val_ratio))
     if not 0 < cut < rows:
         raise UsageError(f"--val-ratio {val_ratio}: of {rows} rows it leaves {cut} to train on and {rows - cut} to "
                          f"validate; both need at least one (more rows, or another ratio)")
+    for side, span in (("training", range(cut)), ("validation", range(cut, rows))):
+        if all(i in failed for i in span):
+            raise UsageError(f"--hidden-states {hidden_states}: stage 02 extracted none of the {len(span)} {side} rows "
+                             f"(rows {span.start}-{span.stop - 1} all failed: its log says why); rerun "
+                             f"02_extract_hidden_states.py")
 
 
 def _stored_ids(args, i):

@@ -291,7 +291,7 @@ def plan(s, rank):
     prep, ext, voc, rows, failed = train_data.check_inputs(s, fp, verify_data=rank == 0 and s.verify_data,
                                                            online_layer_ids=layer_ids)
     rows, failed = train_data.first_rows(s, rows, failed)  # --num-samples
-    train_data.check_split(len(rows), s.val_ratio)
+    train_data.check_split(len(rows), s.val_ratio, failed, s.hidden_states)
     draft_vocab = voc["counts"]["draft_vocab_size"]
     training.check_draft_memory(s.num_layers, tc, draft_vocab, device.on_gpu)
     dtype = compute.resolve(s.dtype, device.on_gpu)

@@ -528,6 +528,13 @@ def test_the_validation_split_leaves_rows_on_both_sides():
     for rows, ratio in ((6, 0.99), (1, 0.5), (100, 1e-17)):
         with pytest.raises(UsageError, match=f"--val-ratio {ratio}: of {rows} rows"):
             train_data.check_split(rows, ratio)
+    # rows stage 02 could not extract: each side needs one it did (24 rows at 0.05: 22 to train, 2 to validate)
+    train_data.check_split(24, 0.05, failed=set(range(21)) | {22}, hidden_states="hs")
+    with pytest.raises(UsageError, match="--hidden-states hs: stage 02 extracted none of the 22 training rows "
+                                         r"\(rows 0-21 all failed"):
+        train_data.check_split(24, 0.05, failed=set(range(22)), hidden_states="hs")
+    with pytest.raises(UsageError, match="none of the 2 validation rows"):
+        train_data.check_split(24, 0.05, failed={22, 23}, hidden_states="hs")
 
 
 def test_an_engine_spool_is_never_a_stage_s_folder_or_inside_this_run_s(tmp_path):
