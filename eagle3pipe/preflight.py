@@ -117,11 +117,24 @@ def resolve_prepared(flag, path):
     from .files import load_stage
     folder, jsonl = (path, os.path.join(path, "tokenized_data.jsonl")) if not path.endswith(".jsonl") \
         else (os.path.dirname(path) or ".", path)
+    if os.path.basename(jsonl) != "tokenized_data.jsonl":
+        raise UsageError(f"{flag} {path}: stage 02 reads the tokenized_data.jsonl of a stage 01 folder; give that "
+                         f"folder (a file of rows of your own needs a manifest: run 01_prepare_dataset.py)")
     manifest = load_stage(flag, folder, "prepare")
     if not os.path.isfile(jsonl):
         raise UsageError(f"{flag} {path}: {jsonl} not found; rerun 01_prepare_dataset.py")
     readable(flag, [jsonl])
     return jsonl, manifest
+
+
+def check_unchanged(flag, jsonl, manifest):
+    """Stage 01's rows as its manifest describes them: a hash of the file (a few seconds a GB), so that an edit is
+    found before the model loads, not by the watch after every row is extracted."""
+    from .input_watch import file_digest
+    now = file_digest(jsonl)
+    if now != manifest["content_id"]:
+        raise UsageError(f"{flag} {os.path.dirname(jsonl) or '.'}: tokenized_data.jsonl changed since stage 01 wrote it "
+                         f"(content id {now}, its manifest says {manifest['content_id']}); rerun 01_prepare_dataset.py")
 
 
 def readable(flag, paths):

@@ -85,3 +85,26 @@ def test_token_ids_outside_the_vocab_are_refused_before_anything_is_written(stag
     assert_refused(*run_script(*cmd(model_path, prep, tmp_path / "hs")), "tokenized_data.jsonl:3",
                    "token ids must be in [0, 49152)")
     assert not (tmp_path / "hs").exists()
+
+
+def test_rows_edited_after_stage01_are_refused_before_the_model_loads(stages, model_path, tmp_path):
+    """An edit that keeps every id in the vocabulary passes the row check; the rows' hash against stage 01's manifest
+    finds it in the checks (the dry run's too), not after every row is extracted. A file of rows that is not a stage
+    01 folder's tokenized_data.jsonl is refused: stage 02 would read the folder's own file instead."""
+    import shutil
+    prep = tmp_path / "prep"
+    shutil.copytree(stages["prepared"], prep)
+    lines = (prep / "tokenized_data.jsonl").read_text().splitlines()
+    row = json.loads(lines[1])
+    row["input_ids"][4], row["input_ids"][5] = row["input_ids"][5], row["input_ids"][4]
+    lines[1] = json.dumps(row)
+    (prep / "tokenized_data.jsonl").write_text("\n".join(lines) + "\n")
+    for extra in ([], ["--dry-run"]):
+        assert_refused(*run_script(*cmd(model_path, prep, tmp_path / "hs"), *extra),
+                       f"--prepared-data {prep}: tokenized_data.jsonl changed since stage 01 wrote it")
+    assert not (tmp_path / "hs").exists()
+    stages_copy = tmp_path / "prep2"
+    shutil.copytree(stages["prepared"], stages_copy)
+    (stages_copy / "subset.jsonl").write_text(lines[0] + "\n")
+    assert_refused(*run_script(*cmd(model_path, stages_copy / "subset.jsonl", tmp_path / "hs"), "--dry-run"),
+                   "reads the tokenized_data.jsonl of a stage 01 folder")
