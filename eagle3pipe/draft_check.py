@@ -101,6 +101,8 @@ def split_heads(tp, cfg):
 def check_run(args, fp, text_cfg, gpus):
     """The flags that do not depend on the prompts, against the verifier and the device (a quantized verifier the
     installed vLLM has no kernel for here included)."""
+    from .verifier import check_weights
+    check_weights(args.model_path)  # vLLM would find missing or cut weights only as it loads them
     maxpos = fp.get("max_position_embeddings")
     k, new = args.num_speculative_tokens, args.max_new_tokens
     if _int(maxpos) and maxpos > 0 and new + k + 1 > maxpos:

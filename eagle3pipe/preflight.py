@@ -166,6 +166,7 @@ def plan(args):
     jsonl, prep = resolve_prepared("--prepared-data", args.prepared_data)
     readable("--model-path", model_inputs(args.model_path, args.trust_remote_code))
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
+    verifier.check_weights(args.model_path)
     diff = verifier.same_verifier(fp, prep["verifier"])
     if diff:
         raise UsageError(f"--prepared-data {args.prepared_data}: prepared for another verifier ({diff}: "

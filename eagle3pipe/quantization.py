@@ -40,6 +40,13 @@ def tensor_table(model_path):
                 if n > min(size - 8, 100_000_000):
                     raise ValueError("header length beyond the file")
                 header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("its header is not a JSON object")
+            end = max((v["data_offsets"][1] for v in header.values() if isinstance(v, dict)
+                       and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2
+                       and isinstance(v["data_offsets"][1], int)), default=0)
+            if 8 + n + end > size:  # a copy or a download cut short: transformers finds it only when it loads
+                raise ValueError(f"cut short: its tensors end at byte {8 + n + end:,}, the file has {size:,}")
         except (OSError, ValueError, struct.error) as e:
             raise UsageError(f"--model-path {model_path}: {shard} is not a readable safetensors file ({e})")
         table.update({k: (v.get("dtype"), list(v.get("shape") or []), shard) for k, v in header.items()

@@ -331,6 +331,23 @@ def check_draft_sources(model_path, tied):
                              f"(quantized); the draft needs it unquantized (bf16, fp16 or fp32)")
 
 
+def check_weights(model_path):
+    """A local verifier folder holds weights the loaders take, whole: safetensors (headers read, each file as long as
+    its tensors need) or PyTorch .bin/.pt files; a GGUF file alone is named (it needs converting). Hub ids: not here."""
+    if not os.path.isdir(model_path):
+        return
+    names = os.listdir(model_path)
+    if any(n.endswith(".safetensors") for n in names) or os.path.isfile(
+            os.path.join(model_path, "model.safetensors.index.json")):
+        from .quantization import tensor_table
+        tensor_table(model_path)
+    elif not any(n.endswith((".bin", ".pt")) for n in names):
+        gguf = sorted(n for n in names if n.endswith(".gguf"))
+        raise UsageError(f"--model-path {model_path}: " + (
+            f"holds only a GGUF file ({gguf[0]}); transformers and vLLM load safetensors here: convert it first"
+            if gguf else "no weight files (*.safetensors, *.bin)"))
+
+
 def weights_bytes(model_path):
     """The checkpoint's bytes: its index's total_size (what a quantized checkpoint really holds: INT4 experts count
     half a byte per weight), else the size of its weight files."""

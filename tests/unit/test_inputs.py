@@ -59,3 +59,23 @@ def test_a_verifier_config_with_a_count_of_the_wrong_type_is_named(tmp_path, edi
     (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
     with pytest.raises(UsageError, match=f"--model-path {tmp_path}: config.json's {needle}"):
         verifier.fingerprint(str(tmp_path))
+
+
+def test_a_verifier_folder_without_whole_weights_is_named(tmp_path):
+    """No weights, a GGUF file alone, a safetensors file cut short: one line before any model loads (the loaders
+    find each only as they load)."""
+    import struct
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match="no weight files"):
+        verifier.check_weights(str(tmp_path))
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(UsageError, match=r"holds only a GGUF file \(model.gguf\)"):
+        verifier.check_weights(str(tmp_path))
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    whole = struct.pack("<Q", len(header)) + header + bytes(16)
+    (tmp_path / "model.safetensors").write_bytes(whole)
+    verifier.check_weights(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(whole[:-4])
+    with pytest.raises(UsageError, match="model.safetensors is not a readable safetensors file .cut short: its "
+                                         "tensors end at byte"):
+        verifier.check_weights(str(tmp_path))
