@@ -70,32 +70,13 @@ def read_conversations(args, log):
     return records, n, skipped, info
 
 
-def main():
-    args = parse_args()
-    log = cli.setup_logging()
-    fp, text_cfg = verifier.open_verifier(args.model_path, args.trust_remote_code)
-    verifier.check_positions(f"--max-seq-len {args.max_seq_len}", args.max_seq_len + 1, fp, "rows this long (and the "
-                             "position stage 02 reads past one)")
-    if args.regenerate:
-        regenerate.check(args, text_cfg)
-    conversations.check_dataset(args.dataset)
-    inputs = [("--model-path", args.model_path), ("--dataset", args.dataset)]
-    outdir.check("--output-dir", args.output_dir, "prepare", inputs)
-    records, n_read, skipped, info = read_conversations(args, log)
-    from eagle3pipe import masks
-    tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
-    masks.probe_template(tok, records)  # a template that loops is refused before the folder is taken
-    out = outdir.claim("--output-dir", args.output_dir, "prepare", inputs)  # held until the process exits
-
+def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
+    """Each conversation through the chat template -> (rows [{"id", "input_ids", "loss_mask"}], loss-masked counts
+    per token id, counts); what cannot train is counted in `skipped`. A template that fails on every conversation is
+    the verifier's problem, not the data's, and is refused naming it."""
     import numpy as np
+    from eagle3pipe import masks
     from eagle3pipe.progress import Progress
-    regen = None
-    if args.regenerate:
-        records, counts_regen, answers = regenerate.run(records, tok, args, out)
-        regen = {"settings": regenerate.settings_of(args), **counts_regen}
-        log.info(f"regenerated {counts_regen['turns_regenerated']:,} assistant turns "
-                 f"({counts_regen['turns_from_cache']:,} from an earlier run)")
-    vocab = fp["vocab_size"]
     counts = collections.Counter()
     freq = np.zeros(vocab, dtype=np.int64)
     rows, first_template_error = [], None
@@ -122,11 +103,43 @@ def main():
         bar.tokens += len(ids)
         rows.append({"id": rid, "input_ids": ids, "loss_mask": mask})
     bar.close()
+    if records and skipped["template_error"] == len(records):
+        raise cli.UsageError(f"--model-path {args.model_path}: its chat template fails on every conversation "
+                             f"(first: {first_template_error}); fix the template (tokenizer_config.json or "
+                             f"chat_template.jinja)")
     if first_template_error:
         log.warning(f"the chat template refused {skipped['template_error']} conversations, e.g. {first_template_error}")
     if not rows:
         raise cli.UsageError(f"--dataset {args.dataset}: no trainable conversation among {n_read} records "
                              f"(skipped: {dict(skipped)})")
+    return rows, freq, counts
+
+
+def main():
+    args = parse_args()
+    log = cli.setup_logging()
+    fp, text_cfg = verifier.open_verifier(args.model_path, args.trust_remote_code)
+    verifier.check_positions(f"--max-seq-len {args.max_seq_len}", args.max_seq_len + 1, fp, "rows this long (and the "
+                             "position stage 02 reads past one)")
+    if args.regenerate:
+        regenerate.check(args, text_cfg)
+    conversations.check_dataset(args.dataset)
+    inputs = [("--model-path", args.model_path), ("--dataset", args.dataset)]
+    outdir.check("--output-dir", args.output_dir, "prepare", inputs)
+    records, n_read, skipped, info = read_conversations(args, log)
+    from eagle3pipe import masks
+    tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
+    masks.probe_template(tok, records)  # a template that loops is refused before the folder is taken
+    out, regen = None, None
+    if args.regenerate:  # its answers are cached in the folder as they come: it is taken first
+        out = outdir.claim("--output-dir", args.output_dir, "prepare", inputs)  # held until the process exits
+        records, counts_regen, answers = regenerate.run(records, tok, args, out)
+        regen = {"settings": regenerate.settings_of(args), **counts_regen}
+        log.info(f"regenerated {counts_regen['turns_regenerated']:,} assistant turns "
+                 f"({counts_regen['turns_from_cache']:,} from an earlier run)")
+    rows, freq, counts = tokenize_rows(records, tok, args, fp["vocab_size"], skipped, n_read, log)
+    if out is None:  # every refusal the rows can cause came first: a refused run leaves no folder behind
+        out = outdir.claim("--output-dir", args.output_dir, "prepare", inputs)
     random.Random(args.seed).shuffle(rows)
 
     tokens = sum(len(r["input_ids"]) for r in rows)

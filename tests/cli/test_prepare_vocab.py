@@ -200,3 +200,25 @@ def test_vocab_refuses_a_stage01_folder_whose_manifest_or_counts_do_not_hold(pre
                          "--output-dir", str(tmp_path / "v"))
     assert_refused(p, secs, *needles)
     assert not (tmp_path / "v").exists()
+
+
+def test_refusals_that_need_the_template_leave_no_folder_and_blame_the_right_input(tmp_path, model_path):
+    """A chat template that fails on every conversation (here a Jinja syntax error) is the verifier's fault, named by
+    --model-path; rows too short to train on are the data's. Both are found before the output folder is taken."""
+    import shutil
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in os.listdir(model_path):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_path, name), model / name)
+    (model / "chat_template.jinja").write_text("{% for message in messages %}{{ message['content'] }}")  # no endfor
+    data = bad(tmp_path, "d.jsonl", json.dumps(GOOD) + "\n")
+    p, secs = run_script("01_prepare_dataset.py", "--model-path", str(model), "--dataset", data,
+                         "--output-dir", str(tmp_path / "out"))
+    assert p.returncode == 2 and f"error: --model-path {model}: its chat template fails on every conversation" \
+        in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+    p, secs = run_script("01_prepare_dataset.py", "--model-path", model_path, "--dataset", data, "--max-seq-len", "8",
+                         "--output-dir", str(tmp_path / "out"))
+    assert p.returncode == 2 and "no trainable conversation" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
