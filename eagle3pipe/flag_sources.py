@@ -13,7 +13,9 @@ from .errors import UsageError
 # stage -> [(setting, matters(record) -> bool, the settings that decide it, why it is ignored)]
 IGNORED_UNLESS = {
     "prepare": [(name, lambda r: r.regenerate, ("regenerate",), "it sets up --regenerate")
-                for name in ("regen_temperature", "regen_max_tokens", "regen_batch_size", "regen_tp_size")],
+                for name in ("regen_temperature", "regen_max_tokens", "regen_batch_size", "regen_tp_size", "dtype")]
+               + [("split", lambda r: _hub_dataset(r.dataset) or r.split == "train", ("dataset",),
+                   "a split is a hub dataset's; a local file or folder, or the embedded ShareGPT, has none")],
     "extract": [
         ("tp_size", lambda r: engines.kind(r.backend).tensor_parallel or r.tp_size == 1, ("backend",),
          "the hf backend has no tensor parallelism (it runs on one device)"),
@@ -21,6 +23,8 @@ IGNORED_UNLESS = {
          "it is the vllm backend's setting"),
     ],
     "train": [
+        ("measure_prompts", lambda r: not r.fsdp or not r.measure_prompts, ("fsdp",),
+         "FSDP shards the draft over the ranks, and the measure runs a whole draft on one"),
         ("hidden_states", lambda r: not r.online, ("online",),
          "offline training reads stage 02's folder; --online generates the states instead"),
         ("backend", lambda r: r.online, ("online",), "it picks the engine --online starts"),
@@ -36,6 +40,12 @@ IGNORED_UNLESS = {
          "with no prompts to measure on, the trainer's estimate chooses checkpoint_best"),
     ],
 }
+
+
+def _hub_dataset(dataset):
+    import os
+    from .conversations import SHAREGPT
+    return dataset != SHAREGPT and not os.path.exists(dataset)
 
 
 def explicit(parser, argv):

@@ -22,6 +22,12 @@ MODEL = "data/models/smollm2-135m-instruct"
     ("02_extract_hidden_states.py", "backend: hf\n", ["--gpu-memory-utilization", "0.5", "--dry-run"],
      ["--gpu-memory-utilization 0.5 contradicts 'backend: hf'"]),
     ("01_prepare_dataset.py", "", ["--regen-temperature", "0.5"], ["--regen-temperature 0.5: only with --regenerate"]),
+    ("01_prepare_dataset.py", "", ["--dtype", "bfloat16"], ["--dtype bfloat16: only with --regenerate"]),
+    # a split is a hub dataset's: beside a local file it was recorded in the manifest and never used
+    ("01_prepare_dataset.py", "", ["--dataset", "README.md", "--split", "validation"],
+     ["--split validation contradicts --dataset README.md", "a split is a hub dataset's"]),
+    ("04_train.py", "", ["--fsdp", "--measure-prompts", "8"],
+     ["--measure-prompts 8 contradicts --fsdp", "the measure runs a whole draft on one"]),
     # speculators builds no scheduler for `none`: a warmup beside it was dropped in silence (trained, exit 0)
     ("04_train.py", "", ["--scheduler", "none", "--warmup-steps", "3"],
      ["--warmup-steps 3 contradicts --scheduler none", "no warmup"]),
