@@ -67,6 +67,8 @@ def read_conversations(args, log):
     log.info(f"read {n} records from {info.get('source_file', args.dataset)}"
              + (" (the file is truncated; stopped at its last complete record)" if info.get("truncated_source")
                 and args.num_samples is None else ""))
+    if args.num_samples is not None and n < args.num_samples:
+        log.warning(f"--num-samples {args.num_samples}: --dataset {args.dataset} holds {n} records; taking all of them")
     return records, n, skipped, info
 
 

@@ -275,14 +275,16 @@ def default_layer_ids(n):
 def resolve_layer_ids(ids, n, flag="--layer-ids"):
     """Validated auxiliary ids, then id n (the last layer) appended: the order stored in every file."""
     ids = list(ids) if ids else default_layer_ids(n)
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"{flag} {ids}: ids must be distinct")
     if n in ids:
+        if ids[-1] != n:  # the last layer is stored last: given elsewhere, the order asked is not the order kept
+            raise UsageError(f"{flag} {ids}: id {n} (the last layer, always stored) goes last, if given")
         ids.remove(n)  # given explicitly: it is stored last anyway
     bad = [i for i in ids if not 0 <= i < n]
     if bad:
         raise UsageError(f"{flag} {bad}: out of range; auxiliary ids must be in [0, {n - 1}] for a "
                          f"{n}-layer verifier (id {n} = last layer, always stored)")
-    if len(set(ids)) != len(ids):
-        raise UsageError(f"{flag} {ids}: ids must be distinct")
     if ids != sorted(ids):  # vLLM hands a served draft its auxiliary states in layer order, whatever order it trained on
         raise UsageError(f"{flag} {ids}: give the ids in ascending order ({','.join(map(str, sorted(ids)))}); vLLM "
                          f"serves a draft its auxiliary states in layer order")

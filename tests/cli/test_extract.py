@@ -23,6 +23,8 @@ def test_preflight_refusals(prep, model_path, tmp_path):
         (["--data-path", str(prep)], ["unknown flag --data-path", "did you mean --prepared-data"]),
         (["--layer-ids", "2,15,40"], ["--layer-ids [40]", "[0, 29]"]),
         (["--layer-ids", "2,2,27"], ["distinct"]),
+        (["--layer-ids", "30,30"], ["--layer-ids [30, 30]: ids must be distinct"]),
+        (["--layer-ids", "2,30,15"], ["id 30 (the last layer, always stored) goes last"]),
         (["--layer-ids", "27,2,15"], ["--layer-ids [27, 2, 15]: give the ids in ascending order (2,15,27)"]),
         (["--layer-ids", ",,,"], ["--layer-ids", "expected integers separated by commas"]),
         (["--verify", "--overwrite"], ["--verify with --overwrite", "drop one"]),
