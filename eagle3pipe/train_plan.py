@@ -131,6 +131,11 @@ def check_sizes(s, text_cfg, rows, n_states, draft_vocab, device, dtype):
         raise UsageError(f"--warmup-steps {s.warmup_steps}: the run takes at most {most_steps:,} steps ("
                          f"{'--max-steps' if s.max_steps else f'{train_rows} training rows x {s.epochs} epochs'}), so "
                          f"the learning rate would never reach --lr; use fewer")
+    fewest = s.max_steps or max(1, -(-int(tokens * (1 - s.val_ratio)) // s.total_seq_len)) * s.epochs
+    if s.warmup_steps is not None and s.warmup_steps >= fewest:  # rows packed --total-seq-len tokens a step
+        logging.getLogger("eagle3").warning(
+            f"--warmup-steps {s.warmup_steps}: the run may take as few as {fewest:,} steps (its rows packed "
+            f"{s.total_seq_len:,} tokens a step), and then the learning rate never reaches --lr")
 
 
 def free_bytes(folder):

@@ -26,6 +26,22 @@ def test_one_step_s_memory_is_checked_against_the_device():
     train_plan.check_sizes(settings("--total-seq-len", "8192"), SMOL, rows, 4, 2048, big, "bfloat16")
 
 
+def test_a_warmup_the_packed_steps_may_not_reach_is_a_warning(caplog):
+    # 24 rows of 512 tokens, 22 to train on: at most 22 steps an epoch (a row a step), at least 2 (8,192 tokens a step)
+    rows = [([1] * 512, [1] * 512)] * 24
+    big = train_plan.Device([("H200", 141 * 10**9)], on_gpu=True)
+    with pytest.raises(UsageError, match="--warmup-steps 44: the run takes at most 44 steps"):
+        train_plan.check_sizes(settings("--total-seq-len", "8192", "--epochs", "2", "--warmup-steps", "44"), SMOL,
+                               rows, 4, 2048, big, "bfloat16")
+    with caplog.at_level("WARNING", logger="eagle3"):
+        train_plan.check_sizes(settings("--total-seq-len", "8192", "--epochs", "2", "--warmup-steps", "3"), SMOL,
+                               rows, 4, 2048, big, "bfloat16")
+        assert not caplog.records
+        train_plan.check_sizes(settings("--total-seq-len", "8192", "--epochs", "2", "--warmup-steps", "30"), SMOL,
+                               rows, 4, 2048, big, "bfloat16")
+    assert "--warmup-steps 30: the run may take as few as 4 steps" in caplog.text
+
+
 def test_saved_epochs_follow_speculators_rule():
     assert train_plan.saved_epochs(10, 1.0) == 10 and train_plan.saved_epochs(10, 0.5) == 10
     assert train_plan.saved_epochs(6, 2.0) == 4  # epoch 0, then each e with (e + 1) % 2 == 0: 1, 3, 5
