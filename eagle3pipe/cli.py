@@ -146,6 +146,7 @@ KNOWN_MISTAKES = {
     "--max-length": "--max-seq-len", "--max-model-len": "--max-seq-len", "--num-epochs": "--epochs",
     "--learning-rate": "--lr", "--draft-vocab": "--draft-vocab-size", "--hidden-states-path": "--hidden-states",
     "--layers": "--layer-ids", "--aux-layers": "--layer-ids",
+    "--draft-vocab-size": "--vocab-mapping",  # stage 03's flag: later stages take the map it built
 }
 
 
@@ -303,7 +304,7 @@ def _check_key(path, key, value, allowed, where, kind):
         return
     from .settings import path_fields
     if allowed[key][0] in path_fields() and isinstance(value, str) and not value.strip():
-        raise UsageError(f"--config {path}: key '{where}{key}' is empty; give a path, or leave the key out")
+        raise UsageError(f"--config {path}: key '{where}{key}' is empty; give a value, or leave the key out")
     if isinstance(value, (list, tuple)) and not value:  # an empty list would read as "not given": the default
         raise UsageError(f"--config {path}: key '{where}{key}' is an empty list; give its values, or leave the key "
                          f"out for the default")
@@ -336,13 +337,27 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
             raise UsageError(f"missing {flag} (give the flag, or '{dest}' in --config)")
     if derive:
         derive(args)
-    record = RECORDS[section].from_args(args)
-    from .deadlines import check_environment
-    check_environment()
     from .flag_sources import explicit, refuse_contradictions
     given = explicit(parser, sys.argv[1:] if argv is None else argv)
+    try:
+        record = RECORDS[section].from_args(args)
+    except UsageError as e:  # a value the config file gave is named by its key there, not by a flag nobody typed
+        raise _named_by_config(e, set(configured) - set(given), known.config, section) from None
+    from .deadlines import check_environment
+    check_environment()
     refuse_contradictions(section, record, given, set(configured) - set(given), known.config)
     return record
+
+
+def _named_by_config(error, from_config, path, section):
+    """`error` ("--flag value: why") about a field only the config set -> the same about its key in the config."""
+    from .settings import config_keys
+    msg = str(error)
+    for key, (field, _) in config_keys(section).items():
+        flag = "--" + field.replace("_", "-")
+        if field in from_config and msg.startswith((flag + " ", flag + ":")):
+            return UsageError(f"--config {path}: key '{key}'{msg[len(flag):]}")
+    return error
 
 
 class _OneLine(logging.Formatter):

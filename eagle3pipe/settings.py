@@ -229,8 +229,14 @@ class Train(Record):
         import json
         if self.loss_fn in self.LOSSES:
             return
+        def once(pairs):  # '{"ce": 0.1, "ce": 0.9}' would keep the last weight in silence
+            keys = [k for k, _ in pairs]
+            if len(set(keys)) != len(keys):
+                raise UsageError(f"--loss-fn {self.loss_fn!r}: "
+                                 f"'{next(k for k in keys if keys.count(k) > 1)}' given twice; give each loss once")
+            return dict(pairs)
         try:
-            spec = json.loads(self.loss_fn)
+            spec = json.loads(self.loss_fn, object_pairs_hook=once)
         except (ValueError, RecursionError):
             spec = None
         if not (isinstance(spec, dict) and spec and all(k in self.LOSSES for k in spec) and all(

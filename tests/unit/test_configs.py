@@ -77,7 +77,7 @@ def test_a_bare_on_or_off_in_a_config_means_the_word(tmp_path, written, value):
 def test_an_empty_path_in_a_config_is_named_by_its_key(tmp_path, text, key):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(text)
-    with pytest.raises(cli.UsageError, match=f"--config {cfg}: key '{key}' is empty; give a path"):
+    with pytest.raises(cli.UsageError, match=f"--config {cfg}: key '{key}' is empty; give a value"):
         cli.load_config(str(cfg), "vocab")
 
 
@@ -98,3 +98,13 @@ def test_an_empty_list_in_a_config_is_refused_not_read_as_the_default(tmp_path, 
     cfg.write_text(text)
     with pytest.raises(cli.UsageError, match=f"key '{key}' is an empty list"):
         cli.load_config(str(cfg), "extract")
+
+
+def test_a_bad_value_from_a_config_is_named_by_its_key_not_by_a_flag(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model_path: {os.path.join(REPO, 'data/models/smollm2-135m-instruct')}\ntrain:\n  device: CPU\n")
+    mod = load_script("04_train.py")
+    with pytest.raises(cli.UsageError, match=f"^--config {cfg}: key 'device' 'CPU'"):
+        mod.parse_args(["--config", str(cfg)])
+    with pytest.raises(cli.UsageError, match="^--warmup-steps -5: must be at least 0"):  # typed: named by its flag
+        mod.parse_args(["--config", str(cfg), "--device", "cpu", "--warmup-steps", "-5"])

@@ -155,6 +155,7 @@ def record(cls, **over):
     (settings.Train, {"loss_fn": "mse"}, "--loss-fn 'mse': give one of kl_div"),
     (settings.Train, {"loss_fn": '{"ce": 0.1, "tv": -1}'}, "a JSON object of them with positive weights"),
     (settings.Train, {"loss_fn": '{"ce": NaN}'}, "--loss-fn"),
+    (settings.Train, {"loss_fn": '{"ce": 0.1, "ce": 0.9}'}, "'ce' given twice"),
     (settings.Train, {"loss_fn": "[" * 100000}, "--loss-fn"),
     (settings.Train, {"ttt_step_loss_decay": 0.0}, "--ttt-step-loss-decay 0.0: must be greater than 0"),
     (settings.Train, {"optimizer": "sgd"}, "--optimizer 'sgd': choose one of adamw, muon"),
