@@ -121,6 +121,7 @@ def main():
     args = parse_args()
     log = cli.setup_logging()
     fp, text_cfg = verifier.open_verifier(args.model_path, args.trust_remote_code)
+    verifier.check_chat_files(args.model_path)
     verifier.check_positions(f"--max-seq-len {args.max_seq_len}", args.max_seq_len + 1, fp, "rows this long (and the "
                              "position stage 02 reads past one)")
     if args.regenerate:

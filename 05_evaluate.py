@@ -56,6 +56,7 @@ def main():
     log = cli.setup_logging()
     from eagle3pipe import draft_check, engine, evaluation
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
+    verifier.check_chat_files(args.model_path)
     gpus = compute.visible_gpus()
     draft_check.check_run(args, fp, tc, gpus)  # the flags against the verifier's positions and the GPUs
     conversations.check_dataset(args.prompts, "--prompts")

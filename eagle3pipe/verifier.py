@@ -333,6 +333,25 @@ def check_draft_sources(model_path, tied):
                              f"(quantized); the draft needs it unquantized (bf16, fp16 or fp32)")
 
 
+def check_chat_files(model_path):
+    """A local verifier folder has tokenizer files and a chat template, looked at before transformers loads (whose
+    own messages for either are cut mid-sentence). Hub ids: the loader's."""
+    if not os.path.isdir(model_path):
+        return
+    present = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(model_path, n))]
+    if not present:
+        raise UsageError(f"--model-path {model_path}: no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...)")
+    if any(n in present for n in ("chat_template.jinja", "chat_template.json")):
+        return
+    from .files import read_json
+    config = os.path.join(model_path, "tokenizer_config.json")
+    cfg = read_json(config) if "tokenizer_config.json" in present else {}
+    template = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    if not template:
+        raise UsageError(f"--model-path {model_path}: no chat template (chat_template.jinja, or 'chat_template' in "
+                         f"tokenizer_config.json); stages 01 and 05 render conversations through it")
+
+
 def check_weights(model_path):
     """A local verifier folder holds weights the loaders take, whole: safetensors (headers read, each file as long as
     its tensors need) or PyTorch .bin/.pt files; a GGUF file alone is named (it needs converting). Hub ids: not here."""

@@ -79,3 +79,17 @@ def test_a_verifier_folder_without_whole_weights_is_named(tmp_path):
     with pytest.raises(UsageError, match="model.safetensors is not a readable safetensors file .cut short: its "
                                          "tensors end at byte"):
         verifier.check_weights(str(tmp_path))
+
+
+def test_a_verifier_folder_without_tokenizer_files_or_chat_template_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match="no tokenizer files"):
+        verifier.check_chat_files(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192}))
+    with pytest.raises(UsageError, match="no chat template"):
+        verifier.check_chat_files(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    verifier.check_chat_files(str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    verifier.check_chat_files(str(tmp_path))
