@@ -20,7 +20,8 @@ package's ShareGPT conversations, every epoch measured on held-out prompts by th
 A run is SIZE:EPOCHS:SEED[:TOKENS[:LEVERS]]. SIZE is a row count (stage 04's --num-samples: the first N rows of
 stage 01's shuffled output, a random subset of the training records) or `all`; TOKENS, when given, is the tokens per
 step (--total-seq-len; the config's 2048 otherwise); LEVERS, '+'-joined: L<n> draft layers, v<n> the draft
-vocabulary built by `prepare --vocab n`, e<n> the epoch count in the run's name. `measure --watch S` measures epochs
+vocabulary built by `prepare --vocab n`, e<n> the epoch count in the run's name, or an arm of the first study
+(bench_recipe.ARMS, e.g. `all:3:0:32768:v32768+L2+fc-norm`). `measure --watch S` measures epochs
 as they appear while `train` runs (it marks W/training), for at most S seconds. Every step runs the numbered scripts
 as a user would and skips what W already holds, so a stopped study resumes. The measure runs on a GPU when there is
 one: references (the verifier's greedy continuation of each prompt, 128 + 5 tokens, EOS not stopping it) are made
@@ -35,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from bench.bench_recipe import CFG, MODEL, held_out, must, pack_one, py, unpack
+from bench.bench_recipe import ARMS, CFG, MODEL, held_out, must, pack_one, py, unpack
 from bench.common import REPO, result
 
 K, MAX_NEW = 5, 128  # one forward with 5 TTT steps gives k=3 (its first 3 steps) and k=5
@@ -94,16 +95,20 @@ def run_name(size, seed, tokens=None, levers=None):
 
 def lever_flags(w, levers, epochs):
     """A run's levers, '+'-joined: L<n> draft layers, v<n> the draft vocabulary W/vocab<n> (stage 03 with
-    --draft-vocab-size n), e<n> the epoch count in the run's name (it must equal EPOCHS)."""
+    --draft-vocab-size n), e<n> the epoch count in the run's name (it must equal EPOCHS), or an arm of the first
+    study (bench_recipe.ARMS: fc-norm, qwen3-layer, loss-jsd, ttt5-decay0.8, lr6e-3, cosine, ...)."""
     flags = []
     for lever in filter(None, (levers or "").split("+")):
         kind, n = lever[0], lever[1:]
-        if kind == "L" and n.isdigit():
+        if lever in ARMS:
+            flags += ARMS[lever]
+        elif kind == "L" and n.isdigit():
             flags += ["--num-layers", n]
         elif kind == "v" and os.path.isfile(f"{w}/vocab{n}/manifest.json"):
             flags += ["--vocab-mapping", f"{w}/vocab{n}"]
         elif not (kind == "e" and n == epochs):
-            sys.exit(f"--runs: lever {lever!r} is not L<layers>, v<vocab size with W/vocab<n>> or e{epochs}")
+            sys.exit(f"--runs: lever {lever!r} is not L<layers>, v<vocab size with W/vocab<n>>, e{epochs} or an arm of "
+                     f"bench_recipe.ARMS")
     return flags
 
 

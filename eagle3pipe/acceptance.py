@@ -91,7 +91,8 @@ def load_draft(path, dtype="float32", device="cpu", verifier_path=None):
 def draft_predictions(model, aux, tokens, k):
     """One teacher-forced TTT forward over prompt + continuation. `aux`: [L, n_aux * H] (or [L, n_aux, H]) the
     verifier's auxiliary states of every token (the last one unused); `tokens`: the L token ids. -> [k, L-1] long
-    tensor of step-s guesses in the verifier's vocabulary (draft id + d2t[draft id])."""
+    tensor of step-s guesses in the verifier's vocabulary (draft id + d2t[draft id]; a draft with the verifier's whole
+    vocabulary has no d2t: its ids are the verifier's)."""
     import torch
     p = next(model.parameters())
     aux = torch.as_tensor(aux)
@@ -103,6 +104,8 @@ def draft_predictions(model, aux, tokens, k):
         steps = model(hidden_states=aux[:n][None].to(p.device, p.dtype), input_ids=ids[1:][None],
                       document_ids=torch.zeros(1, n, dtype=torch.long, device=p.device),
                       position_ids=torch.arange(1, n + 1, device=p.device)[None], ttt_steps=k)
+    if model.d2t is None:
+        return torch.stack([s[0] for s in steps]).cpu()
     d2t = model.d2t.to(p.device)
     return torch.stack([s[0] + d2t[s[0]] for s in steps]).cpu()
 

@@ -107,3 +107,25 @@ def test_the_acceptance_measure_runs_a_compiled_draft_eagerly(trained):
               document_ids=torch.zeros(1, 8, dtype=torch.long), position_ids=torch.arange(1, 9)[None], ttt_steps=3)
     assert graphs
     torch._dynamo.reset()
+
+
+def test_the_acceptance_measure_reads_a_draft_with_the_whole_vocabulary(trained):
+    """A draft whose vocabulary is the verifier's (stage 03 with --draft-vocab-size of the verifier's size) has no
+    d2t in speculators: its ids are the verifier's. The measure reads its guesses as they are: the argmax of its own
+    head at every step, in the verifier's vocabulary."""
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from eagle3pipe import acceptance, adapters
+    cfg = Eagle3SpeculatorConfig.from_pretrained(str(trained[0] / "last"))
+    adapters.use_sdpa(cfg.transformer_layer_config)  # as acceptance.load_draft builds it
+    vocab = cfg.transformer_layer_config.vocab_size
+    cfg.draft_vocab_size = vocab
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(config=cfg).eval()
+    for p in model.parameters():  # speculators fills the heads with NaN until weights load: any real numbers
+        torch.nn.init.normal_(p, std=0.05)
+    assert model.d2t is None and model.lm_head.weight.shape[0] == vocab
+    width, n = model.fc.weight.shape[1], 11
+    pred = acceptance.draft_predictions(model, torch.randn(n, width), list(range(5, 5 + n)), 3)
+    assert pred.shape == (3, n - 1) and pred.dtype == torch.long
+    assert int(pred.max()) < vocab and len(set(pred.flatten().tolist())) > 1  # guesses over the whole vocabulary
