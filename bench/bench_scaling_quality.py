@@ -112,14 +112,30 @@ def lever_flags(w, levers, epochs):
     return flags
 
 
+def plan_runs(w, specs):
+    """Each SIZE:EPOCHS:SEED[:TOKENS[:LEVERS]] as (name, size, epochs, seed, tokens, flags), every spec checked before
+    any run starts. Two specs with one name would train into one folder (the name holds no epoch count unless an
+    e<n> lever puts it there): refused, naming both."""
+    plans, names = [], {}
+    for spec in specs:
+        size, epochs, seed, *rest = spec.split(":")  # optional: tokens per step (--total-seq-len), levers
+        tokens, levers = (rest + [None, None])[:2]
+        name = run_name(size, seed, tokens, levers)
+        if name in names:
+            sys.exit(f"--runs: {names[name]!r} and {spec!r} both train into ck/{name}; tell them apart with an "
+                     f"e<epochs> lever (e.g. '{spec}{'+' if levers else ':' if tokens else '::'}e{epochs}')")
+        names[name] = spec
+        plans.append((name, size, epochs, seed, tokens, lever_flags(w, levers, epochs)))
+    return plans
+
+
 def train(w, states, runs, parallel, extra):
     import concurrent.futures
     os.makedirs(f"{w}/ck", exist_ok=True)
+    plans = plan_runs(w, runs)
 
-    def one(spec):
-        size, epochs, seed, *rest = spec.split(":")  # optional: tokens per step (--total-seq-len), levers
-        tokens, levers = (rest + [None, None])[:2]
-        name, flags = run_name(size, seed, tokens, levers), lever_flags(w, levers, epochs)
+    def one(plan):
+        name, size, epochs, seed, tokens, flags = plan
         if os.path.isfile(f"{w}/ck/{name}/manifest.json"):
             return name, 0, "done earlier"
         log = f"{w}/logs/train_{name}.log"
@@ -132,7 +148,7 @@ def train(w, states, runs, parallel, extra):
     open(f"{w}/training", "w").close()  # measure --watch runs while this exists
     try:
         with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-            for name, code, log in pool.map(one, runs):
+            for name, code, log in pool.map(one, plans):
                 print(f"{name}: {'ok' if code == 0 else f'stopped ({code}), see {log}'}", flush=True)
     finally:
         os.remove(f"{w}/training")

@@ -9,8 +9,11 @@
 #   bash bench/scaling_gpu.sh model OUT        # carry .gx/p1: the GGUF whole, the conversion, its sha256
 #   bash bench/scaling_gpu.sh go OUT RUNS SECONDS  # the inputs; stage 02 once (fp8), then the runs in parallel,
 #                                                  # every epoch measured as it appears; follows them for SECONDS
-#                                                  # (BUDGET: the runs' bound in s; EXTRA: every run's flags)
-#   bash bench/scaling_gpu.sh follow OUT SECONDS   # the runs' progress until they end or SECONDS pass
+#                                                  # (BUDGET: the runs' bound in s; EXTRA: every run's flags;
+#                                                  # PARALLEL: runs at once, default 2: one run alone trains at
+#                                                  # about 438k tok/s, five at once shared the GPU at 280k in all)
+#   bash bench/scaling_gpu.sh follow OUT SECONDS   # the runs' progress until they end or SECONDS pass; OUT gets
+#                                                  # the measures so far
 #   bash bench/scaling_gpu.sh measure OUT RUNS    # every epoch measured; the best of RUNS packed into OUT
 # The machine goes back after 30 s idle, with the runs on it: make each next call at once.
 # A stopped step resumes from what the machine still holds (stage 02 and stage 04 resume; measure skips done epochs).
@@ -57,7 +60,7 @@ case $STEP in
     python3 -m bench.bench_scaling_quality extract --work $W --states "$STATES" || { tail -5 $W/logs/extract.log; exit 1; }
     tail -2 $W/logs/extract.log; df -h "$STATES" | tail -1
     left=$(( SECONDS_LEFT - ($(date +%s) - t0) ))
-    train=(python3 -m bench.bench_scaling_quality train --work $W --states "$STATES" --runs "$RUNS" --parallel 8
+    train=(python3 -m bench.bench_scaling_quality train --work $W --states "$STATES" --runs "$RUNS" --parallel "${PARALLEL:-2}"
            --extra "${EXTRA:---num-workers 2 --measure-prompts 0}")  # EXTRA: every run's flags
     if [ -f /tmp/bg_ok ]; then
       BUDGET=${BUDGET:-1500}  # the runs' and the watcher's own bound, past this call
@@ -79,6 +82,7 @@ case $STEP in
       r=$(( end - $(date +%s) )); [ "$r" -gt 0 ] && sleep $(( r < 60 ? r : 60 ))  # never past the call's end
     done
     tail -30 $W/logs/measure.out 2>/dev/null
+    cp $W/measure.json "$OUT/" 2>/dev/null  # every call brings the measures home: the machine may not wait for the next
     ;;
   measure)
     RUNS=$3
