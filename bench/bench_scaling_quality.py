@@ -16,6 +16,8 @@ package's ShareGPT conversations, every epoch measured on held-out prompts by th
     python -m bench.bench_scaling_quality report  --work W [--plot docs/scaling_quality.png]
     python -m bench.bench_scaling_quality curve   --work W --src bench/results/scaling_quality_20261202.json \
         --plot docs/scaling_quality.png             # the data curve from a results file
+    python -m bench.bench_scaling_quality compare --work W --src a.json,b.json --runs RUN/EP:RUN/EP,...
+                                                # paired differences between measured epochs, with 95% bands
 
 A run is SIZE:EPOCHS:SEED[:TOKENS[:LEVERS]]. SIZE is a row count (stage 04's --num-samples: the first N rows of
 stage 01's shuffled output, a random subset of the training records) or `all`; TOKENS, when given, is the tokens per
@@ -262,6 +264,37 @@ def bootstrap(per_prompt, n=2000, seed=0):
     return vals[int(0.025 * n)], vals[int(0.975 * n) - 1]
 
 
+def paired(a, b, n=2000, seed=0):
+    """B's acceptance length minus A's and its 95% interval, the same prompts resampled for both (per_prompt lists in
+    one prompt order): the band for a comparison on one prompt set, narrower than either draft's own interval."""
+    import random
+    def length(pp, idx):
+        return 1 + sum(pp[i][1] for i in idx) / sum(pp[i][0] for i in idx)
+    rng, every, diffs = random.Random(seed), range(len(a)), []
+    for _ in range(n):
+        idx = [rng.randrange(len(a)) for _ in a]
+        diffs.append(length(b, idx) - length(a, idx))
+    diffs.sort()
+    return length(b, every) - length(a, every), diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
+
+
+def compare(srcs, pairs, k="k3"):
+    """Paired differences between measured epochs (RUN/EPOCH:RUN/EPOCH, epochs counted from 0) from one or more
+    measure.json files (bench/results/scaling_quality_*.json): the 200 prompts and their references are the same in
+    every study, so epochs measured on different days pair prompt by prompt."""
+    m = {}
+    for src in srcs:
+        m.update(json.load(open(src)))
+    for pair in pairs:
+        a, b = pair.split(":")
+        for key in (a, b):
+            if key not in m:
+                sys.exit(f"--runs: {key!r} is in none of {', '.join(srcs)}")
+        d, lo, hi = paired(m[a][k]["per_prompt"], m[b][k]["per_prompt"])
+        print(f"{b} - {a}: {k} {m[b][k]['acceptance_length']:.4f} - {m[a][k]['acceptance_length']:.4f} = {d:+.4f} "
+              f"(95%: {lo:+.4f} to {hi:+.4f})", flush=True)
+
+
 def best_epochs(w, k="k3"):
     m = json.load(open(f"{w}/measure.json"))
     best = {}
@@ -372,15 +405,17 @@ def curve(src, plot):
 
 
 STUDY = "300:10:0,300:10:1,1000:10:0,1000:10:1,3000:10:0:4096,3000:10:1:4096,10000:4:0:8192,all:3:0:8192"
-# the levers at all the data (docs/RECIPE.md): the 32,768-token vocabulary, then two and three draft layers on it
+# the levers at all the data (docs/RECIPE.md): the 32,768-token vocabulary, then two and three draft layers on it;
+# then at 32,768 tokens a step: two and three layers, the whole vocabulary and 16,384 tokens
 LEVERS = ("all:3:0:8192:v32768,all:3:1:8192:v32768,all:3:0:8192:v32768+L2,all:3:1:8192:v32768+L2,"
-          "all:3:0:8192:v32768+L3")
+          "all:3:0:8192:v32768+L3,all:3:0:32768:v32768+L2,all:3:0:32768:v32768+L3,all:3:0:32768:v49152+L2,"
+          "all:3:0:32768:v16384+L2")
 
 
 def study(w, states, parallel, plot):
     """The whole study in one command, on one machine with a GPU and vLLM: every step above in order (each skips what
     W already holds), the best draft of each size confirmed through vLLM, the table and the plot."""
-    prepare(w, 1000, 100, [16384, 32768])
+    prepare(w, 1000, 100, [16384, 32768, 49152])
     extract(w, states)
     train(w, states, STUDY.split(",") + LEVERS.split(","), parallel, [])
     import torch
@@ -405,7 +440,7 @@ def study(w, states, parallel, plot):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("step", choices=["prepare", "carry", "uncarry", "extract", "train", "measure", "pack", "unpack",
-                                    "confirm", "report", "curve", "study"])
+                                    "confirm", "report", "curve", "compare", "study"])
     p.add_argument("--work", required=True)
     p.add_argument("--states", default=None, help="stage 02's folder (default: W/hs)")
     p.add_argument("--holdout", type=int, default=500, help="the package's last N records, never trained on")
@@ -452,6 +487,8 @@ def main():
         confirm(w, runs, a.name, a.num_prompts, a.batch_size)
     elif a.step == "curve":
         curve(a.src, a.plot)
+    elif a.step == "compare":
+        compare(a.src.split(","), runs)
     elif a.step == "study":
         study(w, states, a.parallel, a.plot or f"{w}/scaling_quality.png")
     else:

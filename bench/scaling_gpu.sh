@@ -10,8 +10,9 @@
 #   bash bench/scaling_gpu.sh go OUT RUNS SECONDS  # the inputs; stage 02 once (fp8), then the runs in parallel,
 #                                                  # every epoch measured as it appears; follows them for SECONDS
 #                                                  # (BUDGET: the runs' bound in s; EXTRA: every run's flags;
-#                                                  # PARALLEL: runs at once, default 2: one run alone trains at
-#                                                  # about 438k tok/s, five at once shared the GPU at 280k in all)
+#                                                  # PARALLEL: runs at once, default 2: two two-layer drafts at
+#                                                  # 32,768 tokens a step trained at 128-167k tok/s each, five
+#                                                  # at once shared the GPU at about 280k in all)
 #   bash bench/scaling_gpu.sh follow OUT SECONDS   # the runs' progress until they end or SECONDS pass; OUT gets
 #                                                  # the measures so far
 #   bash bench/scaling_gpu.sh measure OUT RUNS    # every epoch measured; the best of RUNS packed into OUT
@@ -78,11 +79,12 @@ case $STEP in
     while [ "$(date +%s)" -lt "$end" ]; do
       for f in $W/logs/train_*.log; do echo "${f##*/}: $(grep -a "step [0-9]" "$f" | tail -1 | sed 's/.*step /step /')"; done
       grep -c "k=3" $W/logs/measure.out 2>/dev/null | sed 's/^/measured epochs: /'; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+      cp $W/measure.json "$OUT/" 2>/dev/null  # each minute: a call cut at the budget's end still brings them home
       [ -f $W/training ] || { echo "training ended"; cat $W/logs/train.out; break; }
       r=$(( end - $(date +%s) )); [ "$r" -gt 0 ] && sleep $(( r < 60 ? r : 60 ))  # never past the call's end
     done
     tail -30 $W/logs/measure.out 2>/dev/null
-    cp $W/measure.json "$OUT/" 2>/dev/null  # every call brings the measures home: the machine may not wait for the next
+    cp $W/measure.json "$OUT/" 2>/dev/null
     ;;
   measure)
     RUNS=$3

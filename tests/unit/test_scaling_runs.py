@@ -23,3 +23,12 @@ def test_a_bad_lever_is_refused_before_any_run_starts(tmp_path):
     with pytest.raises(SystemExit, match="lever 'e4'"):  # an epoch count in the name that is not the run's
         plan_runs(str(tmp_path), ["all:3:0::e4"])
     assert plan_runs(str(tmp_path), ["all:3:0::e3"])[0][:5] == ("nall-s0-e3", "all", "3", "0", "")
+
+
+def test_the_paired_difference_and_its_band():
+    from bench.bench_scaling_quality import paired
+    a = [[10, 12], [8, 4], [12, 20], [5, 5]]  # per prompt: [drafts, accepted]
+    assert paired(a, a) == (0.0, 0.0, 0.0)  # one draft against itself: no difference, no band
+    b = [[d, x + 2] for d, x in a]  # two more accepted on every prompt
+    d, lo, hi = paired(a, b)
+    assert abs(d - 8 / 35) < 1e-12 and 0 < lo <= d <= hi  # 1 + 49/35 - (1 + 41/35); every resample gains
