@@ -9,7 +9,13 @@ cd "$(dirname "$0")/.."
 N=${1:-200}; EPOCHS=${2:-2}; WORK=${3:-/tmp/bench-quality}
 LR=${LR:-3e-3}; SEQ=2048; TOTAL=2048; VOCAB=8192; PROMPTS=${PROMPTS:-20}; NEW=${NEW_TOKENS:-96}
 PY=.venv/bin/python
-rm -rf "$WORK"; mkdir -p "$WORK/ours"
+# WORK is replaced only when this bench made it (its mark inside, not a link): never a folder of the user's
+if [ -e "$WORK" ] || [ -L "$WORK" ]; then
+  { [ ! -L "$WORK" ] && [ -f "$WORK/.bench-quality-made" ]; } \
+    || { echo "error: WORK=$WORK exists and was not made by this bench; give a new folder" >&2; exit 2; }
+  rm -rf -- "$WORK"
+fi
+mkdir -p "$WORK/ours" && touch "$WORK/.bench-quality-made"
 # The first N ShareGPT conversations as a valid JSON file (the package's file is truncated mid-record), and the
 # next PROMPTS as held-out prompts for both evaluations.
 $PY - "$N" "$PROMPTS" "$WORK" <<'EOF'

@@ -18,12 +18,15 @@
 # exact `tail -f` command; `kill -TERM -- -PID` stops a run with its vLLM engine processes (its process group).
 # The work is done by eagle3pipe/launch.py.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+# Relative paths mean what they mean where you are: this script does not change folder (the project's package is
+# found through PYTHONPATH, its interpreter by ROOT).
+ROOT=$(CDPATH= cd -- "$(dirname -- "$0")/.." && pwd)
+. "$ROOT/scripts/lib.sh"
+PY=${PYTHON:-$ROOT/.venv/bin/python}
 if ! command -v "$PY" >/dev/null; then
-  [ -n "${PYTHON:-}" ] && { echo "error: PYTHON=$PYTHON: not an executable" >&2; exit 2; }
+  [ -n "${PYTHON:-}" ] && fail "PYTHON=" "$PYTHON" "not an executable"
   PY=python3
 fi
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 9))' 2>/dev/null \
-  || { echo "error: ${PYTHON:+PYTHON=}$PY: not a Python 3.9+ interpreter" >&2; exit 2; }
-exec "$PY" -m eagle3pipe.launch "$@"
+  || fail "${PYTHON:+PYTHON=}" "$PY" "not a Python 3.9+ interpreter"
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m eagle3pipe.launch "$@"

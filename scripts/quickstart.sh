@@ -3,6 +3,7 @@
 # ShareGPT conversations through every stage, then the acceptance table.
 #   bash scripts/quickstart.sh                       # up to 300 conversations, 1 epoch, fitted to ~25 minutes
 #   NUM_SAMPLES=2000 EPOCHS=3 bash scripts/quickstart.sh   # exactly these, however long they take
+#   bash scripts/quickstart.sh --dry-run             # what it would do on this machine; nothing installed or run
 # With an NVIDIA GPU (nvidia-smi lists one) it trains on all the package's conversations but the last 1,000 (kept
 # for stage 05's 100 held-out prompts), 3 epochs, hidden states stored in fp8 (about 55 GB of disk), with the recipe
 # docs/RECIPE.md measured best at that size (a 32,768-token draft vocabulary, two draft layers), and says so before
@@ -15,41 +16,61 @@
 # Outputs under data/ (prepared, hidden_states, vocab_map_8192 or with a GPU vocab_map_32768, checkpoints, eval);
 # a rerun resumes or replaces each stage's own folder. NUM_SAMPLES, EPOCHS, NUM_PROMPTS: whole numbers >= 1;
 # BUDGET_MIN: minutes > 0 (anything else, nan and inf included, is refused in one line before anything runs).
+# A TERM, INT or HUP sent to this script stops the stage it is running too (scripts/lib.sh).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-whole() { [[ -z ${!1:-} || ${!1} =~ ^[1-9][0-9]{0,8}$ ]] || { echo "error: $1=${!1}: expected a whole number >= 1" >&2; exit 2; }; }
+CDPATH= cd -- "$(dirname -- "$0")/.."
+. scripts/lib.sh
+DRY=0
+case $# in
+  0) ;;
+  1) [ "$1" = --dry-run ] || fail "argument " "$1" "expected nothing or --dry-run (the plan for this machine, nothing run)"
+     DRY=1 ;;
+  *) fail "arguments " "$*" "expected nothing or --dry-run" ;;
+esac
+whole() { [[ -z ${!1:-} || ${!1} =~ ^[1-9][0-9]{0,8}$ ]] || fail "$1=" "${!1}" "expected a whole number >= 1"; }
 for v in NUM_SAMPLES EPOCHS NUM_PROMPTS; do whole $v; done
 if [[ -n ${BUDGET_MIN:-} ]] && ! [[ $BUDGET_MIN =~ ^([0-9]{1,6}(\.[0-9]*)?|\.[0-9]+)$ && $BUDGET_MIN =~ [1-9] ]]; then
-  echo "error: BUDGET_MIN=$BUDGET_MIN: expected a number of minutes > 0 (e.g. 24 or 7.5)" >&2; exit 2
+  fail "BUDGET_MIN=" "$BUDGET_MIN" "expected a number of minutes > 0 (e.g. 24 or 7.5)"
 fi
-bash scripts/setup.sh
 PY=.venv/bin/python
 CFG=configs/smollm2-135m.yaml
 MODEL=data/models/smollm2-135m-instruct
-N=${NUM_SAMPLES:-300}
-EPOCHS=${EPOCHS:-1}
-PROMPTS=${NUM_PROMPTS:-8}
-GPU=0; STATES=(); DRAFT_VOCAB=8192; LAYERS=(); TOKENS=()
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+# what the user set stays apart from each machine's defaults (one variable for both once gave a GPU 1 epoch, not 3)
+GPU=0; STATES=(); DRAFT_VOCAB=8192; LAYERS=(); TOKENS=(); EPOCHS_RUN=${EPOCHS:-1}; PROMPTS=${NUM_PROMPTS:-8}
+if command -v nvidia-smi >/dev/null 2>&1 && timeout 10 nvidia-smi -L >/dev/null 2>&1; then
   # at all the conversations a 32,768-token vocabulary and a second layer each add acceptance (docs/RECIPE.md); at
   # the CPU's few hundred the config's 8,192 and one layer stay
   # and 8,192 tokens a step, as the study trained it (the config's 2,048 leaves the GPU waiting on launches)
   GPU=1; STATES=(--storage-dtype fp8); DRAFT_VOCAB=32768; LAYERS=(--num-layers 2); TOKENS=(--total-seq-len 8192)
-  total=$($PY -c 'from eagle3pipe.conversations import iter_records as r; print(sum(1 for _ in r("sharegpt")))')
-  N=${NUM_SAMPLES:-$((total - 1000))}; EPOCHS=${EPOCHS:-3}; PROMPTS=${NUM_PROMPTS:-100}
-  echo "quickstart: an NVIDIA GPU: training on $N of the package's $total ShareGPT conversations (the last 1,000" \
-       "kept for the evaluation), $EPOCHS epochs, a two-layer draft with a 32,768-token vocabulary, 8,192 tokens a step, hidden states in" \
-       "fp8 (about 55 GB of disk for all of them); on a CPU the quickstart fits ~25 minutes instead"
+  EPOCHS_RUN=${EPOCHS:-3}; PROMPTS=${NUM_PROMPTS:-100}
+  echo "quickstart: an NVIDIA GPU: training on ${NUM_SAMPLES:-all but the last 1,000 of the package} ShareGPT" \
+       "conversations (the last 1,000 kept for the evaluation), $EPOCHS_RUN epochs, a two-layer draft with a" \
+       "32,768-token vocabulary, 8,192 tokens a step, hidden states in fp8 (about 55 GB of disk for all of them);" \
+       "on a CPU the quickstart fits ~25 minutes instead"
+else
+  fits="fewer where this CPU cannot run them in ${BUDGET_MIN:-24} minutes"
+  [ -n "${NUM_SAMPLES:-}" ] && fits="exactly these, however long they take"
+  echo "quickstart: no NVIDIA GPU: ${NUM_SAMPLES:-up to 300} ShareGPT conversations ($fits), $EPOCHS_RUN epoch(s)"
 fi
-VOCAB=data/vocab_map_$DRAFT_VOCAB
-start=$(date +%s)
-stamp() { echo "quickstart: $1 done at +$(( $(date +%s) - start )) s"; }
-echo "quickstart: $N ShareGPT conversations -> SmolLM2's chat template (01) -> its hidden states (02) -> a draft" \
-     "vocabulary (03) -> $EPOCHS epoch(s) of EAGLE-3 training (04) -> acceptance on $PROMPTS held-out prompts (05)"
+[ $DRY = 1 ] && { echo "quickstart: --dry-run: nothing run"; exit 0; }
+run bash scripts/setup.sh
+if [ $GPU = 1 ]; then
+  total=$($PY -c 'from eagle3pipe.conversations import iter_records as r; print(sum(1 for _ in r("sharegpt")))')
+  N=${NUM_SAMPLES:-$((total - 1000))}
+else
+  N=${NUM_SAMPLES:-300}
+fi
+EPOCHS=$EPOCHS_RUN
 # a rerun keeps the earlier run's size (so stage 02 and 04 resume instead of refusing another run's folder)
 prev=$($PY -c 'import json; print(json.load(open("data/prepared/manifest.json"))["args"]["num_samples"])' 2>/dev/null || true)
 if [ -z "${NUM_SAMPLES:-}" ] && [ -n "$prev" ] && [ "$prev" != None ]; then N=$prev; fi
-$PY 01_prepare_dataset.py --config $CFG --num-samples "$N";          stamp "01 prepare"
+VOCAB=data/vocab_map_$DRAFT_VOCAB
+start=$(date +%s)
+stamp() { echo "quickstart: $1 done at +$(( $(date +%s) - start )) s"; }
+echo "quickstart: $N ShareGPT conversations${prev:+ (as the earlier run)} -> SmolLM2's chat template (01) -> its" \
+     "hidden states (02) -> a draft vocabulary (03) -> $EPOCHS epoch(s) of EAGLE-3 training (04) -> acceptance on" \
+     "$PROMPTS held-out prompts (05)"
+run $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";          stamp "01 prepare"
 budget=(); [ -z "${NUM_SAMPLES:-}" ] && [ -z "$prev" ] && [ $GPU = 0 ] && budget=(--budget-min "${BUDGET_MIN:-24}")
 fit=""
 if [ $GPU = 0 ]; then  # the CPU path measures this machine and fits the budget; a GPU takes everything
@@ -62,15 +83,16 @@ if [ $GPU = 0 ]; then  # the CPU path measures this machine and fits the budget;
 fi
 if [[ "$fit" =~ ^[0-9]+$ ]] && [ "$fit" -lt "$N" ]; then
   N=$fit
-  $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";        stamp "01 prepare ($N conversations)"
+  run $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";    stamp "01 prepare ($N conversations)"
 fi
-$PY 02_extract_hidden_states.py --config $CFG ${STATES[@]+"${STATES[@]}"}; stamp "02 extract"
-$PY 03_build_vocab_mapping.py --config $CFG --draft-vocab-size $DRAFT_VOCAB --output-dir $VOCAB
+run $PY 02_extract_hidden_states.py --config $CFG ${STATES[@]+"${STATES[@]}"}; stamp "02 extract"
+run $PY 03_build_vocab_mapping.py --config $CFG --draft-vocab-size $DRAFT_VOCAB --output-dir $VOCAB
 stamp "03 vocab map"
-$PY 04_train.py --config $CFG --epochs "$EPOCHS" --vocab-mapping $VOCAB ${LAYERS[@]+"${LAYERS[@]}"} \
+run $PY 04_train.py --config $CFG --epochs "$EPOCHS" --vocab-mapping $VOCAB ${LAYERS[@]+"${LAYERS[@]}"} \
     ${TOKENS[@]+"${TOKENS[@]}"}
 stamp "04 train"
-$PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "$PROMPTS" \
-    --max-new-tokens 64 --batch-sizes 1,4;                           stamp "05 evaluate"
+run $PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "$PROMPTS" \
+    --max-new-tokens 64 --batch-sizes 1,4;                       stamp "05 evaluate"
+serve=$($PY -c 'from eagle3pipe.engine import serve_command as s; print(s("data/models/smollm2-135m-instruct", "data/checkpoints/last", 3))')
 echo "quickstart: the draft is data/checkpoints/last; serve it with vLLM:"
-echo "  $($PY -c 'from eagle3pipe.engine import serve_command as s; print(s("data/models/smollm2-135m-instruct", "data/checkpoints/last", 3))')"
+echo "  $serve"

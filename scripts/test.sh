@@ -7,12 +7,13 @@
 #   bash scripts/test.sh -m slow         # the slow suites (benchmark-sized runs)
 #   bash scripts/test.sh tests/cli/test_masks.py -k llama3
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-set +e
-.venv/bin/python -m pytest -ra "$@"
-rc=$?
-set -e
-# pytest's 5 = "no tests collected": a selection that ran nothing is a failure here, not a pass.
+CDPATH= cd -- "$(dirname -- "$0")/.."
+. scripts/lib.sh
+run bash scripts/setup.sh
+rc=0
+run .venv/bin/python -m pytest -ra "$@" || rc=$?
+# pytest's 5 = "no tests collected": a selection that ran nothing is a failure here, not a pass; its 4 = a usage
+# error (its own lines above), this project's exit code for a bad argument is 2.
 [ $rc -eq 5 ] && { echo "test.sh: no tests ran" >&2; exit 1; }
+[ $rc -eq 4 ] && exit 2
 exit $rc

@@ -19,7 +19,7 @@ from conftest import REPO, assert_refused, snapshot
 NO_BYPASS = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
 
 
-def launch(*args, env=None, prefix=(), timeout=120):
+def launch(*args, env=None, prefix=(), timeout=120, cwd=REPO):
     """`bash scripts/extract.sh ARGS` -> CompletedProcess with `heavy`: the heavy libraries it imported
     (tests/importwatch)."""
     fd, log = tempfile.mkstemp(prefix="imports-")
@@ -27,8 +27,8 @@ def launch(*args, env=None, prefix=(), timeout=120):
     e = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": os.path.join(REPO, "tests", "importwatch"),
          "EAGLE3_TEST_IMPORT_LOG": log, **(env or {})}
     try:
-        p = subprocess.run([*prefix, "bash", "scripts/extract.sh", *args], cwd=REPO, env=e, capture_output=True,
-                           text=True, timeout=timeout)
+        p = subprocess.run([*prefix, "bash", os.path.join(REPO, "scripts", "extract.sh"), *args], cwd=cwd, env=e,
+                           capture_output=True, text=True, timeout=timeout)
         with open(log) as f:
             p.heavy = list(dict.fromkeys(f.read().split()))
     finally:
@@ -58,6 +58,18 @@ def test_help_once_and_dry_run_start_and_write_nothing(model_path, prep, tmp_pat
     p = launch(*base(model_path, prep, out), "--dry-run")
     assert p.returncode == 0 and "plan:" in p.stdout and "nothing started" in p.stdout, p.stderr
     assert "started PID" not in p.stdout and not out.exists() and not p.heavy
+
+
+def test_relative_paths_are_taken_from_where_the_operator_is(model_path, prep, tmp_path):
+    # the script once ran from the repository: `--prepared-data prep` typed in /data/run was not found, and a
+    # relative --output-dir would have been made inside the checkout
+    here = tmp_path / "run"
+    here.mkdir()
+    os.symlink(prep, here / "prep")
+    p = launch("--backend", "hf", "--model-path", model_path, "--prepared-data", "prep", "--output-dir", "hs",
+               "--max-seq-len", "256", "--dry-run", cwd=here)
+    assert p.returncode == 0 and "plan:" in p.stdout and "nothing started" in p.stdout, p.stderr
+    assert sorted(os.listdir(here)) == ["prep"] and not os.path.exists(os.path.join(REPO, "hs"))
 
 
 PLANTS = {  # name in the output folder -> how it is planted there, pointing at the sentinel outside

@@ -1,0 +1,69 @@
+"""The shell scripts under the project's rules: a signal to a script reaches the child it is running (no stage, pip
+or pytest outlives the script that started it), and setup installs into no environment it did not make."""
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import REPO
+
+
+def _gone(pid, timeout=15):
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_to_a_script_stops_the_child_it_runs(sig, tmp_path):
+    # a script sourcing scripts/lib.sh, running a long child the way quickstart runs a stage (sent INT alone, as
+    # `kill -INT` does, not the terminal's whole group)
+    pidfile = tmp_path / "child.pid"
+    script = tmp_path / "long.sh"
+    script.write_text(f'set -euo pipefail\n. "{REPO}/scripts/lib.sh"\n'
+                      f'run bash -c \'echo $$ > "{pidfile}"; exec sleep 300\'\necho "not reached"\n')
+    p = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, text=True)
+    end = time.time() + 30
+    while not (pidfile.exists() and pidfile.read_text().strip()) and time.time() < end:
+        time.sleep(0.05)
+    child = int(pidfile.read_text())
+    p.send_signal(sig)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 143 and "not reached" not in out
+    assert _gone(child), "the child outlived the script"
+
+
+def _setup_checkout(tmp_path):
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    for name in ("setup.sh", "lib.sh"):
+        shutil.copy(os.path.join(REPO, "scripts", name), root / "scripts")
+    return root
+
+
+def test_setup_refuses_a_venv_that_is_a_link(tmp_path):
+    root, theirs = _setup_checkout(tmp_path), tmp_path / "their-venv"
+    (theirs / "bin").mkdir(parents=True)
+    os.symlink(theirs, root / ".venv")
+    p = subprocess.run(["bash", "scripts/setup.sh"], cwd=root, capture_output=True, text=True, timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: .venv -> {theirs}: a link"), p.stderr
+    assert os.listdir(theirs) == ["bin"] and not p.stdout
+
+
+def test_setup_refuses_a_venv_it_did_not_make(tmp_path):
+    root = _setup_checkout(tmp_path)
+    (root / ".venv" / "bin").mkdir(parents=True)  # someone's own environment, in the place setup would use
+    p = subprocess.run(["bash", "scripts/setup.sh"], cwd=root, capture_output=True, text=True, timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "exists and was not made by scripts/setup.sh" in lines[0], \
+        p.stderr
+    assert os.listdir(root / ".venv") == ["bin"]
