@@ -243,10 +243,11 @@ def _yaml_loader():
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # what YAML 1.1 leaves a string: 3e-3, 1E5
 
 
-def load_config(path, section):
+def load_config(path, section, own=None):
     """The config keys that apply to stage `section`: the top level's keys this stage takes, then its own section's.
     Every key anywhere is checked: a top-level key must be some stage's, a section's key that stage's, each with
-    its type; a key twice is refused. -> {record field: value}."""
+    its type; a key twice is refused. -> {record field: value}; `own`, a set, gets the fields that are this stage's
+    alone: its section's, and top-level keys no other stage takes."""
     import yaml
     from .settings import STAGES, config_keys, kind, on_off_keys
 
@@ -287,9 +288,13 @@ def load_config(path, section):
         _check_key(path, key, value, anywhere, "", kind)
         if key in keys[section] and value is not None:
             out[keys[section][key][0]] = value
+            if own is not None and sum(key in keys[s] for s in STAGES) == 1:  # a top-level key no other stage takes
+                own.add(keys[section][key][0])
     for k, v in (data.get(section) or {}).items():
         if v is not None:
             out[keys[section][k][0]] = v
+            if own is not None:
+                own.add(keys[section][k][0])
     return out
 
 
@@ -324,11 +329,11 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
-    configured = {}
+    configured, own = {}, set()
     if known.config is not None:
         if not known.config.strip():
             raise UsageError("--config: empty path")
-        configured = load_config(known.config, section)
+        configured = load_config(known.config, section, own)
         parser.set_defaults(**configured)
     args = parser.parse_args(argv)
     for dest in required:
@@ -345,7 +350,7 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
         raise _named_by_config(e, set(configured) - set(given), known.config, section) from None
     from .deadlines import check_environment
     check_environment()
-    refuse_contradictions(section, record, given, set(configured) - set(given), known.config)
+    refuse_contradictions(section, record, given, set(configured) - set(given), known.config, own - set(given))
     return record
 
 

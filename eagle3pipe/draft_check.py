@@ -281,6 +281,10 @@ def _check_rope(f, layer, text_cfg):
 def check_draft(draft, fp):
     """The draft folder is a speculators eagle3 checkpoint for this verifier's shapes -> its config."""
     cfg_path = os.path.join(draft, "config.json")
+    if not os.path.exists(draft):  # a dangling link too
+        raise UsageError(f"--draft {draft}: not found (give a stage 04 checkpoint, e.g. data/checkpoints/last)")
+    if not os.path.isdir(draft):
+        raise UsageError(f"--draft {draft}: a file; give the checkpoint's folder (e.g. data/checkpoints/last)")
     if not os.path.isfile(cfg_path):
         raise UsageError(f"--draft {draft}: no config.json (give a stage 04 checkpoint, e.g. data/checkpoints/last)")
     from .files import read_json

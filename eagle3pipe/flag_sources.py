@@ -3,9 +3,11 @@ between them: a setting that the others make meaningless.
 
 A flag the operator typed and the run then ignores is a silent contradiction (`--hidden-states X` beside a config's
 `online: true` started an engine and never read X). So a setting that the resolved settings ignore is refused, in one
-line naming both sides, when the operator gave it explicitly, or when a config gave it and an explicit flag is what
-makes it meaningless (`tp_size: 8` in a config, `--backend hf` on the command line). Between two keys of one config it
-is accepted: a config's top level is shared by every stage, and the Kimi config's `tp_size` is stage 05's too.
+line naming both sides, when the operator gave it explicitly, or when a config gave it as this stage's alone (in the
+stage's section, or a top-level key no other stage takes) and an explicit flag is what makes it meaningless
+(`train: {hidden_states: X}` in a config, `--online` typed). A top-level key other stages take too is shared: an
+explicit flag that voids it for this stage wins, as flags win over a config (the shipped configs' `hidden_states`, stage 02's output, beside `04_train.py --online`; the Kimi
+config's `tp_size`, stage 05's too, beside stage 02's `--backend hf`). Between two keys of one config it is accepted.
 """
 from . import engines
 from .errors import UsageError
@@ -70,9 +72,10 @@ def _config_words(name, value, config_path):
     return f"'{name}: {shown}' in --config {config_path}"
 
 
-def refuse_contradictions(stage, record, flags, config, config_path):
+def refuse_contradictions(stage, record, flags, config, config_path, own=frozenset()):
     """One line, exit 2, for the first setting the record ignores that the operator asked for (see the module's
-    docstring). `flags`: {dest: flag typed}; `config`: the fields the config file set."""
+    docstring). `flags`: {dest: flag typed}; `config`: the fields the config file set; `own`: those of them its
+    section for this stage set."""
     for name, matters, deciders, why in IGNORED_UNLESS.get(stage, []):
         if matters(record):
             continue
@@ -90,6 +93,6 @@ def refuse_contradictions(stage, record, flags, config, config_path):
                              f"{_flag(decider)}")
         if name in flags:
             raise UsageError(f"{flags[name]} {value} contradicts {decider_words}: {why}; drop one of them")
-        if name in config and decider in flags:
+        if name in own and decider in flags:  # typing the key's own flag instead would contradict it the same way
             raise UsageError(f"{_config_words(name, value, config_path)} contradicts {decider_words}: {why}; remove "
-                             f"the key, or override it with {_flag(name)}")
+                             f"the key, or drop {flags[decider]}")

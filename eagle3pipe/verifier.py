@@ -127,6 +127,14 @@ def open_verifier(model_path, trust_remote_code):
     return fp, text_config(model_files(model_path)[0])
 
 
+def _json_or_refuse(path, data):
+    import json
+    try:
+        json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise UsageError(f"{path}: not valid JSON ({' '.join(str(e).split())[:160]}); the tokenizer cannot load")
+
+
 def fingerprint(model_path):
     """What identifies a verifier for the pipeline: shapes, vocab and a hash of the tokenizer files."""
     cfg, folder = model_files(model_path)
@@ -152,7 +160,10 @@ def fingerprint(model_path):
             h.update(name.encode())
             from .files import open_input
             with open_input(p, "rb") as f:
-                h.update(hashlib.sha256(f.read()).digest())
+                data = f.read()
+            h.update(hashlib.sha256(data).digest())
+            if name.endswith(".json"):  # unreadable, it would be named by its hash as another verifier's
+                _json_or_refuse(p, data)
     heads = tc.get("num_attention_heads")
     return {
         "name_or_path": model_path,
@@ -334,22 +345,70 @@ def check_draft_sources(model_path, tied):
 
 
 def check_chat_files(model_path):
-    """A local verifier folder has tokenizer files and a chat template, looked at before transformers loads (whose
-    own messages for either are cut mid-sentence). Hub ids: the loader's."""
+    """A local verifier folder has tokenizer files and a chat template that parses, looked at before transformers
+    loads (its own messages for a missing one are cut mid-sentence, and a template that does not parse failed at the
+    first conversation, after the imports). Hub ids: the loader's."""
     if not os.path.isdir(model_path):
         return
     present = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(model_path, n))]
     if not present:
         raise UsageError(f"--model-path {model_path}: no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...)")
-    if any(n in present for n in ("chat_template.jinja", "chat_template.json")):
-        return
-    from .files import read_json
-    config = os.path.join(model_path, "tokenizer_config.json")
-    cfg = read_json(config) if "tokenizer_config.json" in present else {}
-    template = cfg.get("chat_template") if isinstance(cfg, dict) else None
-    if not template:
+    templates = []  # (where, text)
+    jinja = os.path.join(model_path, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        from .files import open_input
+        try:
+            with open_input(jinja, encoding="utf-8") as f:
+                templates.append((jinja, f.read(8 << 20)))
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{jinja}: unreadable ({getattr(e, 'strerror', None) or e})")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        if name in present and not templates:
+            cfg = read_json(os.path.join(model_path, name))
+            templates += _named_templates(os.path.join(model_path, name), cfg.get("chat_template")
+                                          if isinstance(cfg, dict) else None)
+    if not templates:
         raise UsageError(f"--model-path {model_path}: no chat template (chat_template.jinja, or 'chat_template' in "
                          f"tokenizer_config.json); stages 01 and 05 render conversations through it")
+    for where, text in templates:
+        _parse_template(where, text)
+
+
+def _named_templates(where, value):
+    """A config's chat_template: one string, or a list of {name, template} (transformers takes both)."""
+    if isinstance(value, str) and value:
+        return [(where, value)]
+    if isinstance(value, list):
+        return [(f"{where} ('{t.get('name')}')", t.get("template")) for t in value
+                if isinstance(t, dict) and isinstance(t.get("template"), str)]
+    return []
+
+
+def _parse_template(where, text):
+    """Parse (not render) a chat template as transformers' environment does: loop controls, and its
+    {% generation %} block for assistant masks."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(extensions=[Generation, "jinja2.ext.loopcontrols"])
+    try:
+        env.parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise UsageError(f"{where}: the chat template does not parse (line {e.lineno}: {e.message}); stages 01 and "
+                         f"05 render conversations through it")
 
 
 def check_weights(model_path):

@@ -1,6 +1,7 @@
 """A setting that the others make meaningless is refused in one line naming both sides, before anything loads, when
-the operator asked for it: on the command line, or in a config beside the explicit flag that voids it. Two keys of
-one config are accepted (a config's top level is shared by every stage)."""
+the operator asked for it: on the command line, or in the stage's own section of a config beside the explicit flag
+that voids it. Two keys of one config are accepted, and so is a top-level key an explicit flag voids for this stage
+(a config's top level is shared by every stage: flags win)."""
 import pytest
 
 from conftest import assert_refused, run_script
@@ -15,8 +16,11 @@ MODEL = "data/models/smollm2-135m-instruct"
     ("04_train.py", "", ["--backend", "hf"], ["--backend hf: only with --online"]),
     ("04_train.py", "online: false\n", ["--engine-timeout", "30"],
      ["--engine-timeout 30 contradicts 'online: false' in --config {t}/c.yaml"]),
-    ("02_extract_hidden_states.py", "tp_size: 8\n", ["--backend", "hf", "--dry-run"],
-     ["'tp_size: 8' in --config {t}/c.yaml contradicts --backend hf", "override it with --tp-size"]),
+    ("02_extract_hidden_states.py", "extract:\n  tp_size: 8\n", ["--backend", "hf", "--dry-run"],
+     ["'tp_size: 8' in --config {t}/c.yaml contradicts --backend hf", "remove the key, or drop --backend"]),
+    # the stage's own section asked for the states it reads; --online generates them instead
+    ("04_train.py", "train:\n  hidden_states: {t}/hs\n", ["--online"],
+     ["'hidden_states: {t}/hs' in --config {t}/c.yaml contradicts --online", "remove the key, or drop --online"]),
     ("02_extract_hidden_states.py", "backend: hf\n", ["--tp-size", "2", "--dry-run"],
      ["--tp-size 2 contradicts 'backend: hf' in --config {t}/c.yaml", "no tensor parallelism"]),
     ("02_extract_hidden_states.py", "backend: hf\n", ["--gpu-memory-utilization", "0.5", "--dry-run"],
@@ -41,7 +45,7 @@ MODEL = "data/models/smollm2-135m-instruct"
      ["--measure-tokens 32 contradicts --measure-prompts 0", "the trainer's estimate chooses checkpoint_best"]),
 ])
 def test_a_flag_the_settings_ignore_is_refused_naming_both(tmp_path, script, config, argv, needles):
-    (tmp_path / "c.yaml").write_text(f"model_path: {MODEL}\n" + config)
+    (tmp_path / "c.yaml").write_text(f"model_path: {MODEL}\n" + config.format(t=tmp_path))
     argv = [a.format(t=tmp_path) for a in argv]
     p, secs = run_script(script, "--config", str(tmp_path / "c.yaml"), *argv, "--output-dir", str(tmp_path / "out"))
     assert_refused(p, secs, *[n.format(t=tmp_path) for n in needles])
@@ -54,3 +58,18 @@ def test_keys_of_one_config_voiding_each_other_are_accepted(tmp_path):
     (tmp_path / "c.yaml").write_text(f"model_path: {MODEL}\nbackend: hf\nprepared_data: {tmp_path}/none\n")
     p, secs = run_script("04_train.py", "--config", str(tmp_path / "c.yaml"), "--output-dir", str(tmp_path / "out"))
     assert_refused(p, secs, f"--prepared-data {tmp_path}/none")
+
+
+@pytest.mark.parametrize("script,config,argv", [
+    # the shipped configs' top-level hidden_states is stage 02's output: `04_train.py --config ... --online`, the
+    # documented command, was refused, and so was the advice it gave (--hidden-states beside --online)
+    ("04_train.py", "hidden_states: {t}/hs\n", ["--online"]),
+    # the Kimi config's tp_size serves stage 05 too; stage 02 on a CPU runs --backend hf
+    ("02_extract_hidden_states.py", "tp_size: 8\n", ["--backend", "hf", "--dry-run"]),
+])
+def test_a_top_level_key_an_explicit_flag_voids_gives_way(tmp_path, script, config, argv):
+    (tmp_path / "c.yaml").write_text(f"model_path: {MODEL}\nprepared_data: {tmp_path}/none\n"
+                                     + config.format(t=tmp_path))
+    p, secs = run_script(script, "--config", str(tmp_path / "c.yaml"), *argv, "--output-dir", str(tmp_path / "out"))
+    assert_refused(p, secs, f"--prepared-data {tmp_path}/none")  # past the settings, at the next check
+    assert "contradicts" not in p.stderr

@@ -18,7 +18,9 @@ def test_refusals(model_path, stages, trained, tmp_path):
     cfg["transformer_layer_config"]["hidden_size"] = 4096
     json.dump(cfg, open(wrong_size / "config.json", "w"))
     cases = [
-        (["--draft", str(tmp_path / "nope")], ["--draft", "no config.json"]),
+        (["--draft", str(tmp_path / "nope")], ["--draft", "nope: not found"]),
+        (["--draft", str(out / "last" / "config.json")], ["--draft", "config.json: a file; give the checkpoint's folder"]),
+        (["--draft", str(not_eagle.parent)], ["--draft", "no config.json"]),  # a folder, not a checkpoint
         (["--draft", str(not_eagle)], ["not an eagle3 speculators checkpoint"]),
         (["--draft", str(wrong_size)], ["hidden size 4096", "576"]),
         (["--batch-sizes", "0"], ["--batch-sizes [0]"]),

@@ -93,3 +93,36 @@ def test_a_verifier_folder_without_tokenizer_files_or_chat_template_is_named(tmp
     (tmp_path / "tokenizer_config.json").write_text("{}")
     (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
     verifier.check_chat_files(str(tmp_path))
+
+
+@pytest.mark.parametrize("where,text,says", [
+    ("chat_template.jinja", "{% for m in messages %}{{ m.content }", r"chat_template.jinja: the chat template does not "
+                                                                     r"parse \(line 1: unexpected '}'\)"),
+    ("chat_template.jinja", "{% generation %}{{ m }}", "chat_template.jinja: the chat template does not parse"),
+    ("tokenizer_config.json", {"chat_template": "{% if x %}"}, "tokenizer_config.json: the chat template does not"),
+    ("tokenizer_config.json", {"chat_template": [{"name": "default", "template": "{{ x }}"},
+                                                 {"name": "tool_use", "template": "{{ x"}]},
+     r"tokenizer_config.json \('tool_use'\): the chat template does not parse"),
+])
+def test_a_chat_template_that_does_not_parse_is_named_before_transformers_loads(tmp_path, where, text, says):
+    # it failed at the first conversation, exit 1, as "TemplateSyntaxError (raised in jinja2): unexpected '}'"
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / where).write_text(text if isinstance(text, str) else json.dumps(text))
+    with pytest.raises(UsageError, match=says):
+        verifier.check_chat_files(str(tmp_path))
+
+
+def test_the_templates_transformers_takes_parse(tmp_path):
+    # its {% generation %} block (assistant masks) and loop controls are part of the language it renders
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}{{ m.content }}{% endif %}{% if loop.index > 99 %}{% break %}{% endif %}{% endfor %}")
+    verifier.check_chat_files(str(tmp_path))
+
+
+def test_a_tokenizer_file_that_is_not_json_is_named_not_taken_for_another_verifier(tmp_path):
+    # its hash differed from stage 01's: "come from different verifiers ... rerun 01_prepare_dataset.py"
+    json.dump({"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 16}, open(tmp_path / "config.json", "w"))
+    (tmp_path / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0,')
+    with pytest.raises(UsageError, match=r"tokenizer.json: not valid JSON .*the tokenizer cannot load"):
+        verifier.fingerprint(str(tmp_path))
