@@ -59,6 +59,8 @@ def read_conversations(args, log):
             skipped["empty"] += 1
         elif not any(m["role"] == "assistant" for m in messages):
             skipped["no_assistant_turn"] += 1
+        elif not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+            skipped["empty_answers"] += 1  # it would train on the end-of-turn token alone
         else:
             records.append((rid or f"row{n - 1}", messages))
     if not records:

@@ -90,6 +90,8 @@ def run(main, exit_now=False):
         if os.environ.get("EAGLE3_DEBUG"):
             import traceback
             traceback.print_exc()
+        if isinstance(e, UsageError) and _CONFIGURED:  # a later check's refusal of a value only the config gave
+            e = _named_by_config(e, *_CONFIGURED)
         code, line = describe(e)
         try:
             print(f"error: {oneline(line)}", file=sys.stderr, flush=True)
@@ -348,10 +350,15 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
         record = RECORDS[section].from_args(args)
     except UsageError as e:  # a value the config file gave is named by its key there, not by a flag nobody typed
         raise _named_by_config(e, set(configured) - set(given), known.config, section) from None
+    global _CONFIGURED
+    _CONFIGURED = (set(configured) - set(given), known.config, section) if known.config is not None else None
     from .deadlines import check_environment
     check_environment()
     refuse_contradictions(section, record, given, set(configured) - set(given), known.config, own - set(given))
     return record
+
+
+_CONFIGURED = None  # (fields only the config gave, its path, the stage): set by parse_args for run's last line
 
 
 def _named_by_config(error, from_config, path, section):

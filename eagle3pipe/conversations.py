@@ -21,7 +21,8 @@ ROLES = {
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
     "bard": "assistant", "model": "assistant",
-    "system": "system", "tool": "tool",
+    "system": "system", "developer": "system",  # OpenAI's newer name for the system message
+    "tool": "tool",
 }
 EXTENSIONS = (".jsonl", ".json", ".parquet")
 SHAREGPT = "sharegpt"
@@ -300,7 +301,11 @@ def normalize(where, record):
         if role.lower() not in ROLES:
             raise UsageError(f"{where}: message {j} has unknown role '{role}' "
                              f"(known: {', '.join(sorted(ROLES))})")
-        messages.append({"role": ROLES[role.lower()], "content": _content(t.get(ckey, t.get("content")), where, j)})
+        content = t.get(ckey, t.get("content", t.get("value")))  # the other format's key too, as for the role
+        if content is None and t.get("tool_calls"):
+            raise UsageError(f"{where}: message {j} is a tool call ('tool_calls', no text content); tool calls are "
+                             f"not supported: leave such records out")
+        messages.append({"role": ROLES[role.lower()], "content": _content(content, where, j)})
     rid = record.get("id", record.get("conversation_id"))
     if isinstance(rid, str):
         rid = _text(rid, where, "'id'")

@@ -33,6 +33,10 @@ def prepare_output(args, plan):
             if m and int(m.group(2)) != args.shard[1]:
                 raise UsageError(f"--shard {args.shard[0]}/{args.shard[1]}: {out} is split {m.group(2)} ways by "
                                  f"earlier replicas ({name}); give every replica the same count")
+    if args.verify and not any(os.path.isfile(os.path.join(out, name)) for name in (files.RUN_FILE, "manifest.json")):
+        # verifying an empty folder took it (lock, ownership record) and failed on every row, exit 1
+        raise UsageError(f"--output-dir {out}: no extraction to verify here (--verify checks the files a stage 02 "
+                         f"run wrote); run without --verify")
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data)]
     out, _ = files.take_output(
         "--output-dir", out, "extract", identity, inputs, "hidden states", args.shard, args.overwrite, args.dry_run,

@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import select
+import shlex
 import signal
 import socket
 import stat
@@ -365,7 +366,7 @@ def report(reps, real):
         print(f"{ME}: started PID {r.proc.pid}; log: {log}")
         if r.state == "starting":
             print(note)
-        print(f"  tail -f {log}")
+        print(f"  tail -f {shlex.quote(log)}")  # a command to paste: a space in the path must not split it
         print(f"  stop: kill -TERM -- -{r.proc.pid}   (its process group: the batch in flight is finished, vLLM's "
               f"processes go too)")
         return
@@ -375,7 +376,7 @@ def report(reps, real):
             continue
         print(f"{ME}: replica {k}/{n} on GPUs {r.gpus}: PID {r.proc.pid}; log: {os.path.join(real, r.log)}"
               + (note if r.state == "starting" else ""))
-    print(f"  tail -f {real}/extract.shard-*.log")
+    print(f"  tail -f {shlex.quote(real)}/extract.shard-*.log")
     print("  stop one: kill -TERM -- -<its PID> (its process group)")
 
 

@@ -57,7 +57,7 @@ def test_keys_of_one_config_voiding_each_other_are_accepted(tmp_path):
     it: the settings pass, and stage 04 goes on to check its inputs."""
     (tmp_path / "c.yaml").write_text(f"model_path: {MODEL}\nbackend: hf\nprepared_data: {tmp_path}/none\n")
     p, secs = run_script("04_train.py", "--config", str(tmp_path / "c.yaml"), "--output-dir", str(tmp_path / "out"))
-    assert_refused(p, secs, f"--prepared-data {tmp_path}/none")
+    assert_refused(p, secs, f"key 'prepared_data' {tmp_path}/none: folder not found")
 
 
 @pytest.mark.parametrize("script,config,argv", [
@@ -71,5 +71,20 @@ def test_a_top_level_key_an_explicit_flag_voids_gives_way(tmp_path, script, conf
     (tmp_path / "c.yaml").write_text(f"model_path: {MODEL}\nprepared_data: {tmp_path}/none\n"
                                      + config.format(t=tmp_path))
     p, secs = run_script(script, "--config", str(tmp_path / "c.yaml"), *argv, "--output-dir", str(tmp_path / "out"))
-    assert_refused(p, secs, f"--prepared-data {tmp_path}/none")  # past the settings, at the next check
+    assert_refused(p, secs, f"key 'prepared_data' {tmp_path}/none: folder not found")  # past the settings
     assert "contradicts" not in p.stderr
+
+
+@pytest.mark.parametrize("script,config,typed,says", [
+    # checked against the verifier after the settings: it was named as a flag nobody typed
+    ("03_build_vocab_mapping.py", "draft_vocab_size: 100000\n", [],
+     "--config {t}/c.yaml: key 'draft_vocab_size' 100000: must be between 1 and the verifier vocab size 49152"),
+    ("03_build_vocab_mapping.py", "draft_vocab_size: 8192\n", ["--draft-vocab-size", "100000"],
+     "--draft-vocab-size 100000: must be between 1"),  # typed: named as typed
+])
+def test_a_later_check_names_a_config_value_by_its_key(tmp_path, stages, script, config, typed, says):
+    (tmp_path / "c.yaml").write_text(f"model_path: {MODEL}\n" + config)
+    p, secs = run_script(script, "--config", str(tmp_path / "c.yaml"), "--prepared-data", str(stages["prepared"]),
+                         *typed, "--output-dir", str(tmp_path / "out"))
+    assert_refused(p, secs, says.format(t=tmp_path))
+    assert not (tmp_path / "out").exists()

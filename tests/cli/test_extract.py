@@ -28,6 +28,8 @@ def test_preflight_refusals(prep, model_path, tmp_path):
         (["--layer-ids", "27,2,15"], ["--layer-ids [27, 2, 15]: give the ids in ascending order (2,15,27)"]),
         (["--layer-ids", ",,,"], ["--layer-ids", "expected integers separated by commas"]),
         (["--verify", "--overwrite"], ["--verify with --overwrite", "drop one"]),
+        # verifying a folder no run wrote took it (lock, record) and failed on every row, exit 1
+        (["--verify", "--backend", "hf"], [f"--output-dir {out}: no extraction to verify here"]),
         (["--tp-size", "3"], ["--tp-size 3", "no GPU visible"]),
         (["--tp-size", "4"], ["--tp-size 4", "must divide", "num_attention_heads (9)"]),
         (["--batch-size", "0"], ["--batch-size 0"]),

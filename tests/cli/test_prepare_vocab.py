@@ -88,8 +88,10 @@ def assert_refused(p, secs, *needles):
     ("d.jsonl", json.dumps({"conversations": [{"from": "wizard", "value": "x"}]}) + "\n", ["unknown role 'wizard'"]),
     ("d.jsonl", "", ["file is empty"]),
     ("d.jsonl", b'{"messages": []}\n\x80\x81\n', ["d.jsonl:2", "not UTF-8"]),
-    ("d.jsonl", json.dumps({"messages": []}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "q"}]}),
-     ["no trainable conversation", "'empty': 1", "'no_assistant_turn': 1"]),
+    # every answer empty: it trained on the end-of-turn token alone, in silence
+    ("d.jsonl", json.dumps({"messages": []}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "q"}]})
+     + "\n" + json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}),
+     ["no trainable conversation", "'empty': 1", "'no_assistant_turn': 1", "'empty_answers': 1"]),
     ("d.txt", "hello", ["unsupported file type"]),
 ])
 def test_prepare_refuses_bad_data(tmp_path, model_path, name, content, needles):
@@ -203,8 +205,9 @@ def test_vocab_refuses_a_stage01_folder_whose_manifest_or_counts_do_not_hold(pre
 
 
 def test_refusals_that_need_the_template_leave_no_folder_and_blame_the_right_input(tmp_path, model_path):
-    """A chat template that fails on every conversation (here a Jinja syntax error) is the verifier's fault, named by
-    --model-path; rows too short to train on are the data's. Both are found before the output folder is taken."""
+    """A chat template that fails on every conversation (here one that raises as it renders) is the verifier's
+    fault, named by --model-path; one that does not parse is named before the tokenizer loads; rows too short to
+    train on are the data's. Each is found before the output folder is taken."""
     import shutil
     model = tmp_path / "model"
     model.mkdir()
@@ -213,6 +216,12 @@ def test_refusals_that_need_the_template_leave_no_folder_and_blame_the_right_inp
             shutil.copy(os.path.join(model_path, name), model / name)
     (model / "chat_template.jinja").write_text("{% for message in messages %}{{ message['content'] }}")  # no endfor
     data = bad(tmp_path, "d.jsonl", json.dumps(GOOD) + "\n")
+    p, secs = run_script("01_prepare_dataset.py", "--model-path", str(model), "--dataset", data,
+                         "--output-dir", str(tmp_path / "out"))
+    assert_refused(p, secs, f"{model}/chat_template.jinja: the chat template does not parse (line 1: Unexpected end "
+                            f"of template")
+    assert not (tmp_path / "out").exists()
+    (model / "chat_template.jinja").write_text("{{ raise_exception('no system prompt given') }}")
     p, secs = run_script("01_prepare_dataset.py", "--model-path", str(model), "--dataset", data,
                          "--output-dir", str(tmp_path / "out"))
     assert p.returncode == 2 and f"error: --model-path {model}: its chat template fails on every conversation" \

@@ -30,7 +30,12 @@ def test_a_signal_to_a_script_stops_the_child_it_runs(sig, tmp_path):
     script = tmp_path / "long.sh"
     script.write_text(f'set -euo pipefail\n. "{REPO}/scripts/lib.sh"\n'
                       f'run bash -c \'echo $$ > "{pidfile}"; exec sleep 300\'\necho "not reached"\n')
-    p = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, text=True)
+    # started as from a terminal: a shell that inherits a signal ignored (nohup's HUP, a background job's INT) cannot
+    # trap it, and this test may itself run under nohup
+    def default_signals():
+        for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
+    p = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, text=True, preexec_fn=default_signals)
     end = time.time() + 30
     while not (pidfile.exists() and pidfile.read_text().strip()) and time.time() < end:
         time.sleep(0.05)

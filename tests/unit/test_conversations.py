@@ -21,8 +21,21 @@ def test_sharegpt_and_openai_formats():
     assert rid is None and msgs == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]
 
 
+def test_each_format_takes_the_other_s_keys_and_openai_s_developer_role():
+    # 'messages' written with from/value was refused as "content must be a string, got NoneType"
+    _, msgs = conv.normalize("r", {"messages": [{"role": "developer", "content": "be brief"},
+                                                {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]})
+    assert msgs == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a"}]
+    _, msgs = conv.normalize("r", {"conversations": [{"role": "user", "content": "q"}, {"from": "gpt", "value": "a"}]})
+    assert msgs == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
 @pytest.mark.parametrize("record,match", [
     ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown role 'alien'"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None,
+                                                      "tool_calls": [{"id": "1", "type": "function"}]}]},
+     r"message 1 is a tool call \('tool_calls', no text content\); tool calls are not supported"),
     ({"conversations": "hello"}, "must be a list"),
     ({"conversations": [{"from": "human", "value": 3}]}, "content must be a string"),
     ({"text": "hi"}, "no 'conversations'"),
