@@ -171,6 +171,16 @@ class Parser(argparse.ArgumentParser):
         kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         super().__init__(**kw)
 
+    def parse_known_args(self, args=None, namespace=None):
+        # `--layer-ids -1,15,27`: argparse reads a value starting with '-' as a flag ("expected one argument");
+        # joined as `--layer-ids=-1,15,27`, the value reaches its check, which names it
+        args = list(sys.argv[1:] if args is None else args)
+        lists = {o for a in self._actions if a.type is int_list for o in a.option_strings}
+        for i in range(len(args) - 1, 0, -1):
+            if args[i - 1] in lists and re.fullmatch(r"-\d[\d,\s-]*", args[i]):
+                args[i - 1:i + 1] = [f"{args[i - 1]}={args[i]}"]
+        return super().parse_known_args(args, namespace)
+
     def error(self, message):
         m = re.match(r"unrecognized arguments: (.*)", message)
         if m:

@@ -27,6 +27,8 @@ def test_preflight_refusals(prep, model_path, tmp_path):
         (["--layer-ids", "2,30,15"], ["id 30 (the last layer, always stored) goes last"]),
         (["--layer-ids", "27,2,15"], ["--layer-ids [27, 2, 15]: give the ids in ascending order (2,15,27)"]),
         (["--layer-ids", ",,,"], ["--layer-ids", "expected integers separated by commas"]),
+        # a list starting with a minus was taken for a flag by argparse: "expected one argument"
+        (["--layer-ids", "-1,15,27"], ["--layer-ids [-1, 15, 27]: must be at least 0"]),
         (["--verify", "--overwrite"], ["--verify with --overwrite", "drop one"]),
         # verifying a folder no run wrote took it (lock, record) and failed on every row, exit 1
         (["--verify", "--backend", "hf"], [f"--output-dir {out}: no extraction to verify here"]),
