@@ -253,14 +253,16 @@ def measure(w, device):
     return done
 
 
+def _length(per_prompt, idx):
+    """Acceptance length over the prompts `idx` ([drafts, accepted] a prompt): 1 + accepted per draft."""
+    return 1 + sum(per_prompt[i][1] for i in idx) / sum(per_prompt[i][0] for i in idx)
+
+
 def bootstrap(per_prompt, n=2000, seed=0):
     """95% interval of the acceptance length over prompts resampled with replacement."""
     import random
-    rng, vals = random.Random(seed), []
-    for _ in range(n):
-        s = [per_prompt[rng.randrange(len(per_prompt))] for _ in per_prompt]
-        vals.append(1 + sum(a for _, a in s) / sum(d for d, _ in s))
-    vals.sort()
+    rng = random.Random(seed)
+    vals = sorted(_length(per_prompt, [rng.randrange(len(per_prompt)) for _ in per_prompt]) for _ in range(n))
     return vals[int(0.025 * n)], vals[int(0.975 * n) - 1]
 
 
@@ -268,14 +270,12 @@ def paired(a, b, n=2000, seed=0):
     """B's acceptance length minus A's and its 95% interval, the same prompts resampled for both (per_prompt lists in
     one prompt order): the band for a comparison on one prompt set, narrower than either draft's own interval."""
     import random
-    def length(pp, idx):
-        return 1 + sum(pp[i][1] for i in idx) / sum(pp[i][0] for i in idx)
     rng, every, diffs = random.Random(seed), range(len(a)), []
     for _ in range(n):
         idx = [rng.randrange(len(a)) for _ in a]
-        diffs.append(length(b, idx) - length(a, idx))
+        diffs.append(_length(b, idx) - _length(a, idx))
     diffs.sort()
-    return length(b, every) - length(a, every), diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
+    return _length(b, every) - _length(a, every), diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
 
 
 def compare(srcs, pairs, k="k3"):

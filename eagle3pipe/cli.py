@@ -356,15 +356,16 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
         derive(args)
     from .flag_sources import explicit, refuse_contradictions
     given = explicit(parser, sys.argv[1:] if argv is None else argv)
+    from_config = set(configured) - set(given)
     try:
         record = RECORDS[section].from_args(args)
     except UsageError as e:  # a value the config file gave is named by its key there, not by a flag nobody typed
-        raise _named_by_config(e, set(configured) - set(given), known.config, section) from None
+        raise _named_by_config(e, from_config, known.config, section) from None
     global _CONFIGURED
-    _CONFIGURED = (set(configured) - set(given), known.config, section) if known.config is not None else None
+    _CONFIGURED = (from_config, known.config, section) if known.config is not None else None
     from .deadlines import check_environment
     check_environment()
-    refuse_contradictions(section, record, given, set(configured) - set(given), known.config, own - set(given))
+    refuse_contradictions(section, record, given, from_config, known.config, own - set(given))
     return record
 
 

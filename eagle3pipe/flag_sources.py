@@ -6,8 +6,9 @@ A flag the operator typed and the run then ignores is a silent contradiction (`-
 line naming both sides, when the operator gave it explicitly, or when a config gave it as this stage's alone (in the
 stage's section, or a top-level key no other stage takes) and an explicit flag is what makes it meaningless
 (`train: {hidden_states: X}` in a config, `--online` typed). A top-level key other stages take too is shared: an
-explicit flag that voids it for this stage wins, as flags win over a config (the shipped configs' `hidden_states`, stage 02's output, beside `04_train.py --online`; the Kimi
-config's `tp_size`, stage 05's too, beside stage 02's `--backend hf`). Between two keys of one config it is accepted.
+explicit flag that voids it for this stage wins, as flags win over a config (the shipped configs' `hidden_states`,
+stage 02's output, beside `04_train.py --online`; the Kimi config's `tp_size`, stage 05's too, beside stage 02's
+`--backend hf`). Between two keys of one config it is accepted.
 """
 from . import engines
 from .errors import UsageError
@@ -74,8 +75,8 @@ def _config_words(name, value, config_path):
 
 def refuse_contradictions(stage, record, flags, config, config_path, own=frozenset()):
     """One line, exit 2, for the first setting the record ignores that the operator asked for (see the module's
-    docstring). `flags`: {dest: flag typed}; `config`: the fields the config file set; `own`: those of them its
-    section for this stage set."""
+    docstring). `flags`: {dest: flag typed}; `config`: the fields the config file set; `own`: those of them that
+    are this stage's alone (cli.load_config)."""
     for name, matters, deciders, why in IGNORED_UNLESS.get(stage, []):
         if matters(record):
             continue

@@ -60,7 +60,6 @@ if [ $GPU = 1 ]; then
 else
   N=${NUM_SAMPLES:-300}
 fi
-EPOCHS=$EPOCHS_RUN
 # a rerun keeps the earlier run's size (so stage 02 and 04 resume instead of refusing another run's folder)
 prev=$($PY -c 'import json; print(json.load(open("data/prepared/manifest.json"))["args"]["num_samples"])' 2>/dev/null || true)
 if [ -z "${NUM_SAMPLES:-}" ] && [ -n "$prev" ] && [ "$prev" != None ]; then N=$prev; fi
@@ -68,7 +67,7 @@ VOCAB=data/vocab_map_$DRAFT_VOCAB
 start=$(date +%s)
 stamp() { echo "quickstart: $1 done at +$(( $(date +%s) - start )) s"; }
 echo "quickstart: $N ShareGPT conversations${prev:+ (as the earlier run)} -> SmolLM2's chat template (01) -> its" \
-     "hidden states (02) -> a draft vocabulary (03) -> $EPOCHS epoch(s) of EAGLE-3 training (04) -> acceptance on" \
+     "hidden states (02) -> a draft vocabulary (03) -> $EPOCHS_RUN epoch(s) of EAGLE-3 training (04) -> acceptance on" \
      "$PROMPTS held-out prompts (05)"
 run $PY 01_prepare_dataset.py --config $CFG --num-samples "$N";          stamp "01 prepare"
 budget=(); [ -z "${NUM_SAMPLES:-}" ] && [ -z "$prev" ] && [ $GPU = 0 ] && budget=(--budget-min "${BUDGET_MIN:-24}")
@@ -76,7 +75,7 @@ fit=""
 if [ $GPU = 0 ]; then  # the CPU path measures this machine and fits the budget; a GPU takes everything
   rc=0
   fit=$($PY -m eagle3pipe.estimate --model-path $MODEL --prepared-data data/prepared --samples "$N" \
-        --epochs "$EPOCHS" --num-prompts "$PROMPTS" --max-new-tokens 64 --batch-sizes 1,4 ${budget[@]+"${budget[@]}"}) \
+        --epochs "$EPOCHS_RUN" --num-prompts "$PROMPTS" --max-new-tokens 64 --batch-sizes 1,4 ${budget[@]+"${budget[@]}"}) \
     || rc=$?
   [ "$rc" -eq 2 ] && exit 2  # a refusal (its line is above): never a run of another size than asked
   [ "$rc" -ne 0 ] && { echo "quickstart: the estimate failed (above); keeping $N conversations" >&2; fit=""; }
@@ -88,7 +87,7 @@ fi
 run $PY 02_extract_hidden_states.py --config $CFG ${STATES[@]+"${STATES[@]}"}; stamp "02 extract"
 run $PY 03_build_vocab_mapping.py --config $CFG --draft-vocab-size $DRAFT_VOCAB --output-dir $VOCAB
 stamp "03 vocab map"
-run $PY 04_train.py --config $CFG --epochs "$EPOCHS" --vocab-mapping $VOCAB ${LAYERS[@]+"${LAYERS[@]}"} \
+run $PY 04_train.py --config $CFG --epochs "$EPOCHS_RUN" --vocab-mapping $VOCAB ${LAYERS[@]+"${LAYERS[@]}"} \
     ${TOKENS[@]+"${TOKENS[@]}"}
 stamp "04 train"
 run $PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "$PROMPTS" \
