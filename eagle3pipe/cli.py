@@ -255,11 +255,12 @@ def _yaml_loader():
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # what YAML 1.1 leaves a string: 3e-3, 1E5
 
 
-def load_config(path, section, own=None):
+def load_config(path, section, own=None, origin=None):
     """The config keys that apply to stage `section`: the top level's keys this stage takes, then its own section's.
     Every key anywhere is checked: a top-level key must be some stage's, a section's key that stage's, each with
     its type; a key twice is refused. -> {record field: value}; `own`, a set, gets the fields that are this stage's
-    alone: its section's, and top-level keys no other stage takes."""
+    alone: its section's, and top-level keys no other stage takes; `origin`, a dict, each field's key as the file
+    spells it ('train.lr', or 'lr' at the top level), for messages."""
     import yaml
     from .settings import STAGES, config_keys, kind, on_off_keys
 
@@ -300,11 +301,15 @@ def load_config(path, section, own=None):
         _check_key(path, key, value, anywhere, "", kind)
         if key in keys[section] and value is not None:
             out[keys[section][key][0]] = value
+            if origin is not None:
+                origin[keys[section][key][0]] = key
             if own is not None and sum(key in keys[s] for s in STAGES) == 1:  # a top-level key no other stage takes
                 own.add(keys[section][key][0])
     for k, v in (data.get(section) or {}).items():
         if v is not None:
             out[keys[section][k][0]] = v
+            if origin is not None:
+                origin[keys[section][k][0]] = f"{section}.{k}"
             if own is not None:
                 own.add(keys[section][k][0])
     return out
@@ -341,11 +346,11 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
-    configured, own = {}, set()
+    configured, own, origin = {}, set(), {}
     if known.config is not None:
         if not known.config.strip():
             raise UsageError("--config: empty path")
-        configured = load_config(known.config, section, own)
+        configured = load_config(known.config, section, own, origin)
         parser.set_defaults(**configured)
     args = parser.parse_args(argv)
     for dest in required:
@@ -360,26 +365,26 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
     try:
         record = RECORDS[section].from_args(args)
     except UsageError as e:  # a value the config file gave is named by its key there, not by a flag nobody typed
-        raise _named_by_config(e, from_config, known.config, section) from None
+        raise _named_by_config(e, from_config, known.config, origin) from None
     global _CONFIGURED
-    _CONFIGURED = (from_config, known.config, section) if known.config is not None else None
+    _CONFIGURED = (from_config, known.config, origin) if known.config is not None else None
     from .deadlines import check_environment
     check_environment()
-    refuse_contradictions(section, record, given, from_config, known.config, own - set(given))
+    refuse_contradictions(section, record, given, from_config, known.config, own - set(given), origin)
     return record
 
 
-_CONFIGURED = None  # (fields only the config gave, its path, the stage): set by parse_args for run's last line
+_CONFIGURED = None  # (fields only the config gave, its path, their keys): set by parse_args for run's last line
 
 
-def _named_by_config(error, from_config, path, section):
-    """`error` ("--flag value: why") about a field only the config set -> the same about its key in the config."""
-    from .settings import config_keys
+def _named_by_config(error, from_config, path, origin):
+    """`error` ("--flag value: why") about a field only the config set -> the same about its key in the config
+    ('train.lr', or 'lr' at the top level: where the operator finds it)."""
     msg = str(error)
-    for key, (field, _) in config_keys(section).items():
+    for field in from_config:
         flag = "--" + field.replace("_", "-")
-        if field in from_config and msg.startswith((flag + " ", flag + ":")):
-            return UsageError(f"--config {path}: key '{key}'{msg[len(flag):]}")
+        if field in origin and msg.startswith((flag + " ", flag + ":")):
+            return UsageError(f"--config {path}: key '{origin[field]}'{msg[len(flag):]}")
     return error
 
 

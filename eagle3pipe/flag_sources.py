@@ -68,15 +68,15 @@ def _flag(name):
     return "--" + name.replace("_", "-")
 
 
-def _config_words(name, value, config_path):
+def _config_words(name, value, config_path, origin=None):
     shown = str(value).lower() if isinstance(value, bool) else value
-    return f"'{name}: {shown}' in --config {config_path}"
+    return f"'{(origin or {}).get(name, name)}: {shown}' in --config {config_path}"
 
 
-def refuse_contradictions(stage, record, flags, config, config_path, own=frozenset()):
+def refuse_contradictions(stage, record, flags, config, config_path, own=frozenset(), origin=None):
     """One line, exit 2, for the first setting the record ignores that the operator asked for (see the module's
     docstring). `flags`: {dest: flag typed}; `config`: the fields the config file set; `own`: those of them that
-    are this stage's alone (cli.load_config)."""
+    are this stage's alone; `origin`: each field's key as the file spells it (cli.load_config)."""
     for name, matters, deciders, why in IGNORED_UNLESS.get(stage, []):
         if matters(record):
             continue
@@ -86,7 +86,7 @@ def refuse_contradictions(stage, record, flags, config, config_path, own=frozens
         if decider in flags:
             decider_words = flags[decider] + ("" if isinstance(decided, bool) else f" {decided}")
         elif decider in config:
-            decider_words = _config_words(decider, decided, config_path)
+            decider_words = _config_words(decider, decided, config_path, origin)
         else:
             decider_words = f"{_flag(decider)} {decided} (the default)"
         if name in flags and decided is False and decider not in config and decider not in flags:
@@ -95,5 +95,5 @@ def refuse_contradictions(stage, record, flags, config, config_path, own=frozens
         if name in flags:
             raise UsageError(f"{flags[name]} {value} contradicts {decider_words}: {why}; drop one of them")
         if name in own and decider in flags:  # typing the key's own flag instead would contradict it the same way
-            raise UsageError(f"{_config_words(name, value, config_path)} contradicts {decider_words}: {why}; remove "
+            raise UsageError(f"{_config_words(name, value, config_path, origin)} contradicts {decider_words}: {why}; remove "
                              f"the key, or drop {flags[decider]}")

@@ -7,6 +7,7 @@ stored after them.
 """
 import glob
 import hashlib
+import logging
 import os
 import re
 import threading
@@ -292,6 +293,11 @@ def resolve_layer_ids(ids, n, flag="--layer-ids"):
         if ids[-1] != n:  # the last layer is stored last: given elsewhere, the order asked is not the order kept
             raise UsageError(f"{flag} {ids}: id {n} (the last layer, always stored) goes last, if given")
         ids.remove(n)  # given explicitly: it is stored last anyway
+        if ids and len(ids) < len(default_layer_ids(n)):  # `2,15,30` on 30 layers: likely meant as a third aux layer
+            logging.getLogger("eagle3").warning(
+                f"{flag} {','.join(map(str, ids + [n]))}: id {n} is the {n}-layer verifier's last layer, stored in "
+                f"every file anyway; the draft gets {len(ids)} auxiliary layer(s), {ids} (EAGLE-3 takes 3, e.g. "
+                f"{','.join(map(str, default_layer_ids(n)))})")
     bad = [i for i in ids if not 0 <= i < n]
     if bad:
         raise UsageError(f"{flag} {bad}: out of range; auxiliary ids must be in [0, {n - 1}] for a "

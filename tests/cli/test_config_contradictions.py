@@ -17,10 +17,10 @@ MODEL = "data/models/smollm2-135m-instruct"
     ("04_train.py", "online: false\n", ["--engine-timeout", "30"],
      ["--engine-timeout 30 contradicts 'online: false' in --config {t}/c.yaml"]),
     ("02_extract_hidden_states.py", "extract:\n  tp_size: 8\n", ["--backend", "hf", "--dry-run"],
-     ["'tp_size: 8' in --config {t}/c.yaml contradicts --backend hf", "remove the key, or drop --backend"]),
+     ["'extract.tp_size: 8' in --config {t}/c.yaml contradicts --backend hf", "remove the key, or drop --backend"]),
     # the stage's own section asked for the states it reads; --online generates them instead
     ("04_train.py", "train:\n  hidden_states: {t}/hs\n", ["--online"],
-     ["'hidden_states: {t}/hs' in --config {t}/c.yaml contradicts --online", "remove the key, or drop --online"]),
+     ["'train.hidden_states: {t}/hs' in --config {t}/c.yaml contradicts --online", "remove the key, or drop --online"]),
     ("02_extract_hidden_states.py", "backend: hf\n", ["--tp-size", "2", "--dry-run"],
      ["--tp-size 2 contradicts 'backend: hf' in --config {t}/c.yaml", "no tensor parallelism"]),
     ("02_extract_hidden_states.py", "backend: hf\n", ["--gpu-memory-utilization", "0.5", "--dry-run"],
@@ -79,6 +79,9 @@ def test_a_top_level_key_an_explicit_flag_voids_gives_way(tmp_path, script, conf
     # checked against the verifier after the settings: it was named as a flag nobody typed
     ("03_build_vocab_mapping.py", "draft_vocab_size: 100000\n", [],
      "--config {t}/c.yaml: key 'draft_vocab_size' 100000: must be between 1 and the verifier vocab size 49152"),
+    # a section's key is named with its section: where the operator finds it in the file
+    ("03_build_vocab_mapping.py", "vocab:\n  draft_vocab_size: 100000\n", [],
+     "--config {t}/c.yaml: key 'vocab.draft_vocab_size' 100000: must be between 1"),
     ("03_build_vocab_mapping.py", "draft_vocab_size: 8192\n", ["--draft-vocab-size", "100000"],
      "--draft-vocab-size 100000: must be between 1"),  # typed: named as typed
 ])

@@ -81,3 +81,15 @@ def test_dry_run_prints_the_plan_and_loads_nothing(prep, model_path, tmp_path):
     assert p.returncode == 0 and "compute dtype: float32 (--dtype float32" in p.stdout
     weights = [l for l in p.stdout.splitlines() if "memory: weights" in l][0]
     assert "weights 0.50 GiB" in weights  # the bf16 checkpoint (0.25 GiB) counts twice in float32
+
+
+def test_the_last_layer_among_the_ids_is_named_in_a_warning(prep, model_path, tmp_path):
+    """`--layer-ids 2,15,30` on 30 layers reads 30 as the last layer (stored anyway): two auxiliary layers, not the
+    three the operator likely meant. Accepted, with a warning saying so, before anything loads."""
+    p, _ = extract(model_path, prep, tmp_path / "hs", "--dry-run", "--layer-ids", "2,15,30")
+    assert p.returncode == 0, p.stderr
+    assert "layer ids: [2, 15, 30]" in p.stdout
+    assert "--layer-ids 2,15,30: id 30 is the 30-layer verifier's last layer" in p.stderr
+    assert "the draft gets 2 auxiliary layer(s), [2, 15] (EAGLE-3 takes 3, e.g. 2,15,27)" in p.stderr
+    p, _ = extract(model_path, prep, tmp_path / "hs", "--dry-run", "--layer-ids", "2,15,27,30")
+    assert p.returncode == 0 and "last layer" not in p.stderr  # the three and the last, as stored: no warning

@@ -104,7 +104,7 @@ def test_a_bad_value_from_a_config_is_named_by_its_key_not_by_a_flag(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model_path: {os.path.join(REPO, 'data/models/smollm2-135m-instruct')}\ntrain:\n  device: CPU\n")
     mod = load_script("04_train.py")
-    with pytest.raises(cli.UsageError, match=f"^--config {cfg}: key 'device' 'CPU'"):
+    with pytest.raises(cli.UsageError, match=f"^--config {cfg}: key 'train.device' 'CPU'"):  # with its section
         mod.parse_args(["--config", str(cfg)])
     with pytest.raises(cli.UsageError, match="^--warmup-steps -5: must be at least 0"):  # typed: named by its flag
         mod.parse_args(["--config", str(cfg), "--device", "cpu", "--warmup-steps", "-5"])
