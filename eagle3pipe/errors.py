@@ -21,3 +21,9 @@ def oneline(text):
         else:
             out.append(c)
     return "".join(out)
+
+
+def quote(path):
+    """A name for a one-line message: control characters and undecodable bytes escaped."""
+    import os
+    return oneline(os.fsdecode(path) if isinstance(path, bytes) else path)

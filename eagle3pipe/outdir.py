@@ -5,10 +5,9 @@ worst bug this project can have), each enforced here and nowhere else:
 - An output path is refused when it is empty, `/`, the home folder, the repository root, the working folder, an
   ancestor of any of those, an input of the same run, inside an input, or containing one. A symlink is resolved
   first, so the checks apply to the real folder.
-- Ownership is identity, recorded after creation. `LEDGER` is an append-only record, one JSON line per thing the
-  stage made, written right after it exists: its path inside the folder and its identity (kind, device, inode, and
-  for a finished file its size and modification time). A user's file of the same name, or our file edited since,
-  does not match and is never deleted or replaced.
+- Ownership is identity, recorded after creation (ledger.py: `LEDGER`, one JSON line per thing the stage made,
+  and what identity means). A user's file of the same name, or our file edited since, does not match and is never
+  deleted or replaced. The record's API (`record`, `owned`, `forget`, `attach`) is reached through this module.
 - A stage takes a folder only if it is new, empty (dot-files count: `.git/`, `.env` are someone's), or every entry
   at its top is one the record says the stage made. Inside its own subfolders it leaves anything else alone.
 - Nothing is written, renamed or deleted through a link the stage did not make: temporary files and the lock are
@@ -27,47 +26,26 @@ import secrets
 import socket
 import stat
 import sys
-import threading
 import time
 
 from . import handoff
-from .errors import RunError, UsageError, oneline
+from .errors import RunError, UsageError, quote
+from .ledger import (LEDGER, OLD_RECORD, Ledger, claimed, exclusive_temp, forget, inside as _inside, ledger_of, owned,
+                     record)
+from .ledger import attach, record_tree  # noqa: F401 (the record's API, which the stages reach through this module)
 
-LEDGER = ".eagle3-owner.jsonl"
-TEMP = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")  # a temporary name: `.<name>.tmp-<pid>-<8 random hex digits>`
-OLD_RECORD = ".eagle3-owner.json"  # by-name records of earlier versions: their names cannot be told from a user's
 LOCK = ".eagle3.lock"
 SHARD_LOCK = re.compile(r"\.eagle3\.shard-\d+-of-\d+\.lock")
 # scripts/extract.sh opens its log before stage 02 starts: stage 02 accepts these, and never deletes them
 LAUNCHER = re.compile(r"extract(\.shard-\d+)?\.(log|pid)")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAX_LEDGER = 1 << 30  # bytes: a record longer than this was not written by a stage
-# A record grows with what the stage made: a line or three per file between compactions (every claim compacts), a
-# few hundred bytes a line. Past this base plus this much per name in the folder it is not a stage's record, and
-# reading it (minutes for millions of lines) would be a wait without an answer.
-LEDGER_BASE, LEDGER_PER_NAME = 16 << 20, 2 << 10
-# kinds: a finished file (size and time must match), a growing file (a log: its inode), a folder, a link, a
-# temporary file (being written: its inode)
-KINDS = {"f", "g", "d", "l", "t"}
 log = logging.getLogger("eagle3")
 _held = []  # the open lock files: a lock lives as long as the process
-_ledgers = {}  # real folder -> Ledger, for the folders this process claimed
 _growing = set()  # the logs this process appends to (outdir.finish)
-_mutex = threading.Lock()
-
-
-def quote(path):
-    """A name for a one-line message: control characters and undecodable bytes escaped."""
-    return oneline(os.fsdecode(path) if isinstance(path, bytes) else path)
 
 
 def _real(path):
     return os.path.realpath(os.path.expanduser(path))
-
-
-def _inside(a, b):
-    """a is b or lies inside b (both real paths)."""
-    return a == b or a.startswith(b.rstrip(os.sep) + os.sep)
 
 
 def check_path(flag, path, inputs=()):
@@ -105,275 +83,7 @@ def check_path(flag, path, inputs=()):
     return real
 
 
-# ---------------------------------------------------------------------------------------------------- identity
-
-HEAD = 4096  # a finished file's identity includes a hash of its first bytes (a header and its checksum, a manifest)
-
-
-def _head_hash(path, n=HEAD):
-    import hashlib
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return ""
-    try:
-        return hashlib.sha256(os.read(fd, n)).hexdigest()[:16]
-    finally:
-        os.close(fd)
-
-
-def identity(st, path=None):
-    """[kind, device, inode, size, mtime_ns, head hash ('' unless a finished file's `path` is given)] of an lstat
-    result."""
-    kind = "d" if stat.S_ISDIR(st.st_mode) else "l" if stat.S_ISLNK(st.st_mode) else "f"
-    head = _head_hash(path) if path and kind == "f" else _target(path) if path and kind == "l" else ""
-    return [kind, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, head]
-
-
-def _target(path):
-    try:
-        return os.readlink(path)[:1024]
-    except OSError:
-        return ""
-
-
-def matches(recorded, st, path):
-    """Whether what is at `path` now (lstat `st`) is what the record says the stage made there:
-    - its modification time to the nanosecond, on the same inode or on a copy that kept times (cp -a, rsync -a,
-      shutil.copytree): a file of ours whose data went bad, or that a dying disk truncated, is ours to redo (on a
-      filesystem whose times are whole seconds, the same inode or size is needed too);
-    - or its first bytes (HEAD), on the same inode or with the same size on a copy (a bit flipped in a copy).
-    A file written in its place, even on a reused inode, has a new time and other first bytes: not ours. A link
-    matches by where it points; a folder by kind (deleting an empty folder loses nothing, and a folder is deleted
-    only once everything in it was the stage's).
-    """
-    kind = recorded[0]
-    now = identity(st)
-    same_inode = tuple(recorded[1:3]) == tuple(now[1:3])
-    if kind == "f":
-        if now[0] != "f":
-            return False
-        same_head = bool(recorded[5]) and recorded[5] == _head_hash(path)
-        same_time = recorded[4] == now[4]
-        fine_time = same_time and recorded[4] % 1_000_000_000 != 0  # a time to the ns is no accident; to the s might be
-        return fine_time or ((same_time or same_head) and (same_inode or recorded[3] == now[3]))
-    if kind == "g":  # a log this stage appends to: the same inode, or a copy that starts with what it held then
-        n = min(recorded[3], HEAD)
-        return now[0] == "f" and (same_inode or (n > 0 and now[3] >= recorded[3] and recorded[5] == _head_hash(path, n)))
-    if kind == "t":  # a temporary file or link, recorded before it exists: its fresh random name identifies it
-        return now[0] in ("f", "l") and bool(TEMP.fullmatch(os.path.basename(path)))
-    if kind == "l":
-        return now[0] == "l" and recorded[5] == _target(path)
-    return kind == now[0]
-
-
-def _apply(entries, lines):
-    """Fold record lines into {relative path: identity}; ValueError for a line a stage did not write."""
-    for line in lines:
-        if not line.strip():
-            continue
-        rel, ident = json.loads(line)
-        if not isinstance(rel, str) or not _plain(rel):
-            raise ValueError
-        if ident is None:
-            entries.pop(rel, None)
-            continue
-        if not (isinstance(ident, list) and len(ident) == 6 and ident[0] in KINDS
-                and all(type(x) is int for x in ident[1:5]) and isinstance(ident[5], str)):
-            raise ValueError
-        if ident[0] == "t" and not TEMP.fullmatch(rel.rsplit("/", 1)[-1]):
-            raise ValueError  # only a fresh temporary name is identified by its name
-        entries[rel] = ident
-
-
-def _plain(rel):
-    parts = rel.split("/")
-    return 0 < len(rel) < 4096 and "\0" not in rel and all(p not in ("", ".", "..") for p in parts)
-
-
-def _names_in(root):
-    with os.scandir(root) as it:
-        return sum(1 for _ in it)
-
-
-def _ledger_budget(root, size):
-    """The most bytes a record of `root` may hold (only counted when the record is past the base)."""
-    return size if size <= LEDGER_BASE else LEDGER_BASE + LEDGER_PER_NAME * _names_in(root)
-
-
-class Ledger:
-    """The identities of what a stage made in one folder: {relative path: identity}, from `LEDGER`."""
-
-    def __init__(self, root, stage, entries, offset=0):
-        self.root, self.stage, self.entries, self.fd, self.offset = root, stage, entries, None, offset
-
-    @classmethod
-    def load(cls, root):
-        """The folder's record, or None if it has none; a malformed one is one line and nothing is touched."""
-        path = os.path.join(root, LEDGER)
-        def bad(why="unreadable"):
-            return f"{quote(path)}: {why} ownership record; this folder's files cannot be told from others', so " \
-                   f"it is left alone: choose another folder"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return None
-        except OSError:
-            raise UsageError(bad("a linked or unreadable" if os.path.islink(path) else "an unreadable"))
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise UsageError(bad("a non-regular"))
-            if st.st_nlink != 1:
-                raise UsageError(bad("a hard-linked (shared with another path)"))
-            if st.st_size > min(MAX_LEDGER, _ledger_budget(root, st.st_size)):
-                raise UsageError(bad(f"an oversized ({st.st_size:,} bytes for a folder of "
-                                     f"{_names_in(root):,} entries)"))
-            data = f.read()
-        data = data[:data.rfind(b"\n") + 1]  # a line another replica is appending right now is read next time
-        lines = data.splitlines()
-        try:
-            head = json.loads(lines[0])
-            if not (isinstance(head, dict) and isinstance(head.get("stage"), str) and head.get("version") == 2):
-                raise ValueError
-            entries = {}
-            _apply(entries, lines[1:])
-        except (ValueError, TypeError, IndexError, RecursionError):
-            raise UsageError(bad("a malformed"))
-        return cls(root, head["stage"], entries, len(data))
-
-    def refresh(self):
-        """Read what other processes (`--shard` replicas, loader workers) appended since."""
-        try:
-            fd = os.open(os.path.join(self.root, LEDGER), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            return
-        with os.fdopen(fd, "rb") as f:
-            f.seek(self.offset)
-            data = f.read(MAX_LEDGER)
-        data = data[:data.rfind(b"\n") + 1]
-        try:
-            with _mutex:
-                _apply(self.entries, data.splitlines())
-                self.offset += len(data)
-        except (ValueError, TypeError, IndexError, RecursionError):
-            pass  # a record damaged since: the next stage run names it
-
-    def owns(self, rel, fresh=False):
-        ident = self.entries.get(rel)
-        try:
-            path = os.path.join(self.root, rel)
-            if ident is not None and self._real_parents(rel) and matches(ident, os.lstat(path), path):
-                return True
-        except OSError:
-            return False
-        if not fresh:  # another process of this stage may have remade it since this one read the record
-            self.refresh()
-            return self.owns(rel, fresh=True)
-        return False
-
-    def _real_parents(self, rel):
-        """Every folder on the way to `rel` is one the stage made and a real folder: a path through a link (planted, or
-        listed in a hand-edited record) is never the stage's."""
-        parts = rel.split("/")[:-1]
-        for k in range(1, len(parts) + 1):
-            parent = "/".join(parts[:k])
-            if (self.entries.get(parent) or ["?"])[0] != "d" or \
-                    not stat.S_ISDIR(os.lstat(os.path.join(self.root, parent)).st_mode):
-                return False
-        return True
-
-    def append(self, rel, ident):
-        line = (json.dumps([rel, ident]) + "\n").encode()
-        with _mutex:
-            if self.fd is None:
-                self.fd = os.open(os.path.join(self.root, LEDGER),
-                                  os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
-            os.write(self.fd, line)  # one write with O_APPEND: replicas' lines never interleave
-            if ident is None:
-                self.entries.pop(rel, None)
-            else:
-                self.entries[rel] = ident
-
-    def write_new(self, stage):
-        """A fresh, compacted record (only while holding the folder's exclusive lock)."""
-        tmp = _exclusive_temp(os.path.join(self.root, LEDGER))
-        with os.fdopen(tmp[1], "w", encoding="utf-8") as f:
-            f.write(json.dumps({"stage": stage, "version": 2}) + "\n")
-            for rel, ident in sorted(self.entries.items()):
-                f.write(json.dumps([rel, ident]) + "\n")
-            self.offset = f.tell()
-        os.replace(tmp[0], os.path.join(self.root, LEDGER))
-        self.stage = stage
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _ledger_of(path):
-    """(ledger, path relative to its folder) for a path inside a folder this process claimed, else (None, None)."""
-    a = os.path.abspath(path)
-    for root, led in _ledgers.items():
-        if _inside(a, root) and a != root:
-            return led, os.path.relpath(a, root).replace(os.sep, "/")
-    return None, None
-
-
-def attach(root):
-    """In a helper process of the lock holder (a spawned data-loader worker): record into the holder's folder too."""
-    real = os.path.realpath(root)
-    if real not in _ledgers and os.path.isfile(os.path.join(real, LEDGER)):
-        led = Ledger.load(real)
-        if led is not None:
-            _ledgers[real] = led
-
-
-def owned(path):
-    """True when `path` is inside a claimed folder and is what the stage made there."""
-    led, rel = _ledger_of(path)
-    return bool(led and led.owns(rel))
-
-
-def record(path, kind=None):
-    """Record what the stage just made at `path` (a file, a folder, a link; `kind` 'g' for a log that grows). Outside
-    a claimed folder (a model conversion, a test's own file) there is nothing to record."""
-    led, rel = _ledger_of(path)
-    if led is None:
-        return
-    ident = identity(os.lstat(path), path if kind in (None, "f", "l") else None)
-    if kind:
-        ident[0] = kind
-    if kind == "g":  # only appended to: its first bytes as they are now stay what they are
-        ident[5] = _head_hash(path, min(ident[3], HEAD)) if ident[3] else ""
-    led.append(rel, ident)
-
-
-def record_tree(path):
-    """Record a folder another library wrote for this stage (speculators' checkpoint), and everything in it."""
-    record(path)
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            record(os.path.join(dirpath, name))
-
-
-def forget(path):
-    led, rel = _ledger_of(path)
-    if led is not None and rel in led.entries:
-        led.append(rel, None)
-
-
 # ---------------------------------------------------------------------------------------------- the only writes
-
-def _exclusive_temp(path):
-    """(temporary path, fd) beside `path`, created with O_EXCL|O_NOFOLLOW: a planted file or link is never opened."""
-    d, name = os.path.split(os.path.abspath(path))
-    for _ in range(8):
-        tmp = os.path.join(d, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except FileExistsError:
-            continue
-    raise RunError(f"{quote(d)}: cannot create a temporary file beside {quote(name)}")
 
 
 def _temp_name(path):
@@ -383,7 +93,7 @@ def _temp_name(path):
 
 def _planned(tmp):
     """Record a temporary name before it exists, so a writer killed right after making it left a recorded file."""
-    led, rel = _ledger_of(tmp)
+    led, rel = ledger_of(tmp)
     if led is not None:
         led.append(rel, ["t", 0, 0, 0, 0, ""])
 
@@ -416,7 +126,7 @@ def check_replaceable(path, wait=0.5):
     """Refuse to replace what is at `path` unless it is the stage's. Another process of the stage (a --shard
     replica) renames its file into place and records it a moment later: a file not in the record yet is looked at
     again for up to `wait` seconds before it counts as someone else's."""
-    led, rel = _ledger_of(path)
+    led, rel = ledger_of(path)
     deadline = time.time() + wait
     while led is not None and os.path.lexists(path) and not led.owns(rel) and time.time() < deadline:
         time.sleep(0.05)
@@ -428,7 +138,7 @@ def check_replaceable(path, wait=0.5):
 def _open_beneath(path, flags, mode=0o644):
     """os.open of `path` with O_NOFOLLOW on every component below the claimed folder holding it (walked with
     dir_fd), so a subfolder swapped for a link after it was checked is never followed; plain os.open elsewhere."""
-    led, rel = _ledger_of(path)
+    led, rel = ledger_of(path)
     if led is None:
         return os.open(path, flags | os.O_NOFOLLOW, mode)
     parts = rel.split("/")
@@ -462,7 +172,7 @@ def open_append(path, flags=os.O_WRONLY | os.O_APPEND, handed_on=False):
     """A file descriptor that appends to (or locks) a log or lock file of the stage's, created if absent; never
     through a link, never someone else's file. `handed_on`: another process keeps appending after this one exits (the
     stage a launcher starts), so it stays a growing file in the record. -> fd (RunError, one line, otherwise)."""
-    led, rel = _ledger_of(path)
+    led, rel = ledger_of(path)
     existed = os.path.lexists(path)
     if led is not None and existed and not led.owns(rel):
         raise RunError(f"{quote(path)}: is not this stage's file (a link, or someone else's); it is left alone: move "
@@ -480,7 +190,7 @@ def finish():
     """At a normal exit: the logs this process appended to are finished files again (size, time and head hash), so
     the folder still counts as the stage's after it is copied elsewhere with its times kept."""
     for path in sorted(_growing):
-        led, rel = _ledger_of(path)
+        led, rel = ledger_of(path)
         if led is not None and led.owns(rel):
             try:
                 record(path)
@@ -492,7 +202,7 @@ def finish():
 def make_dir(path):
     """A subfolder the stage uses: made here and recorded, or one the record says it made. A link, a file, or a
     folder someone else made is refused with one line, never followed or used."""
-    led, rel = _ledger_of(path)
+    led, rel = ledger_of(path)
     if led is None:
         os.makedirs(path, exist_ok=True)
         return path
@@ -528,7 +238,7 @@ def remove(path, dry_run=False):
     """Delete what the stage made at `path`: a file or link whose identity matches the record, a folder's recorded
     contents and then the folder if nothing else is left. -> the paths left because they are not the stage's (with
     `dry_run`, the paths that would be left; nothing is deleted)."""
-    led, rel = _ledger_of(path)
+    led, rel = ledger_of(path)
     if led is None or not led.owns(rel):
         return [path] if os.path.lexists(path) else []
     if led.entries[rel][0] != "d":
@@ -562,7 +272,7 @@ def clear_scratch(folder, names):
 def replace_dir(src, dst):
     """Rename the stage's complete folder `src` onto `dst`, which must be absent or wholly the stage's (then deleted
     first); the record follows the rename."""
-    led, rel = _ledger_of(src)
+    led, rel = ledger_of(src)
     if os.path.lexists(dst):
         left = remove(dst, dry_run=True)
         if left:
@@ -574,7 +284,7 @@ def replace_dir(src, dst):
     os.rename(src, dst)
     if led is None:
         return
-    _, new = _ledger_of(dst)
+    _, new = ledger_of(dst)
     for r, ident in sorted(led.entries.items()):
         if r == rel or r.startswith(rel + "/"):
             led.append(new + r[len(rel):], ident)
@@ -584,7 +294,7 @@ def replace_dir(src, dst):
 def move_aside(src, dst):
     """Rename the stage's folder `src`, which holds files no record proves the stage's, to the new name `dst`: nothing
     in it is deleted or changed, and from then on none of it counts as the stage's (the record forgets it)."""
-    led, rel = _ledger_of(src)
+    led, rel = ledger_of(src)
     if led is None or not led.owns(rel) or led.entries[rel][0] != "d" or os.path.lexists(dst):
         raise RunError(f"{quote(src)}: cannot be moved aside to {quote(dst)}; move it away and rerun")
     os.rename(src, dst)
@@ -770,7 +480,7 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
         led.write_new(stage)  # compacted; replicas share the record and only append
     else:  # replicas share one record, made whole by whichever comes first, then read by each (its offset with it)
         if not os.path.lexists(os.path.join(real, LEDGER)):
-            tmp, fd = _exclusive_temp(os.path.join(real, LEDGER))
+            tmp, fd = exclusive_temp(os.path.join(real, LEDGER))
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(json.dumps({"stage": stage, "version": 2}) + "\n")
             try:
@@ -779,7 +489,7 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
                 pass
             os.unlink(tmp)
         led = Ledger.load(real)
-    _ledgers[real] = led
+    claimed[real] = led
     for rel, ident in sorted(led.entries.items()):  # a dead writer's temporary files (or names it never made)
         if ident[0] == "t" and not _live_temp(rel):
             remove(os.path.join(real, rel))
@@ -834,12 +544,12 @@ def _refuse_strangers_inside(real):
     led = Ledger.load(real)
     if led is None:
         return
-    _ledgers[real] = led
+    claimed[real] = led
     try:
         nested = [p for rel in sorted(r for r in led.entries if "/" not in r)
                   for p in remove(os.path.join(real, rel), dry_run=True) if os.path.dirname(os.path.relpath(p, real))]
     finally:
-        del _ledgers[real]
+        del claimed[real]
     if nested:
         raise UsageError(f"--overwrite: {quote(os.path.relpath(nested[0], real))} in {quote(real)} is inside a folder "
                          f"this stage made and must remake, but this stage did not make it; move it out and rerun "
