@@ -95,5 +95,5 @@ def refuse_contradictions(stage, record, flags, config, config_path, own=frozens
         if name in flags:
             raise UsageError(f"{flags[name]} {value} contradicts {decider_words}: {why}; drop one of them")
         if name in own and decider in flags:  # typing the key's own flag instead would contradict it the same way
-            raise UsageError(f"{_config_words(name, value, config_path, origin)} contradicts {decider_words}: {why}; remove "
-                             f"the key, or drop {flags[decider]}")
+            raise UsageError(f"{_config_words(name, value, config_path, origin)} contradicts {decider_words}: {why}; "
+                             f"remove the key, or drop {flags[decider]}")
