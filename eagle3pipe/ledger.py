@@ -36,11 +36,17 @@ def inside(a, b):
     return a == b or a.startswith(b.rstrip(os.sep) + os.sep)
 
 
+def temp_name(path):
+    """A fresh temporary name beside `path` (TEMP's form): `.<name>.tmp-<pid>-<8 random hex digits>`."""
+    d, name = os.path.split(os.path.abspath(path))
+    return os.path.join(d, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
 def exclusive_temp(path):
     """(temporary path, fd) beside `path`, created with O_EXCL|O_NOFOLLOW: a planted file or link is never opened."""
     d, name = os.path.split(os.path.abspath(path))
     for _ in range(8):
-        tmp = os.path.join(d, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        tmp = temp_name(path)
         try:
             return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except FileExistsError:

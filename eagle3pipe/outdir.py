@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import socket
 import stat
 import sys
@@ -31,7 +30,7 @@ import time
 from . import handoff
 from .errors import RunError, UsageError, quote
 from .ledger import (LEDGER, OLD_RECORD, Ledger, claimed, exclusive_temp, forget, inside as _inside, ledger_of, owned,
-                     record)
+                     record, temp_name)
 from .ledger import attach, record_tree  # noqa: F401 (the record's API, which the stages reach through this module)
 
 LOCK = ".eagle3.lock"
@@ -85,12 +84,6 @@ def check_path(flag, path, inputs=()):
 
 # ---------------------------------------------------------------------------------------------- the only writes
 
-
-def _temp_name(path):
-    d, name = os.path.split(os.path.abspath(path))
-    return os.path.join(d, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
 def _planned(tmp):
     """Record a temporary name before it exists, so a writer killed right after making it left a recorded file."""
     led, rel = ledger_of(tmp)
@@ -102,7 +95,7 @@ def new_temp(path):
     """A fresh temporary file beside `path` (O_EXCL|O_NOFOLLOW), recorded before it is made: a killed writer's
     temporary file is then the stage's to delete."""
     for _ in range(8):
-        tmp = _temp_name(path)
+        tmp = temp_name(path)
         _planned(tmp)
         try:
             os.close(_open_beneath(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC))
@@ -305,7 +298,7 @@ def move_aside(src, dst):
 
 def symlink(target, path):
     """Point the stage's link `path` at `target` (relative), replacing only the stage's own link there."""
-    tmp = _temp_name(path)
+    tmp = temp_name(path)
     _planned(tmp)
     os.symlink(target, tmp)
     install(tmp, path)
@@ -316,7 +309,7 @@ def link_file(src, path):
     made under a temporary name and renamed into place."""
     if not owned(src):
         raise RunError(f"{quote(src)}: not this stage's file; it is left alone: move it away and rerun")
-    tmp = _temp_name(path)
+    tmp = temp_name(path)
     _planned(tmp)
     os.link(src, tmp, follow_symlinks=False)
     install(tmp, path)

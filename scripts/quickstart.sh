@@ -92,6 +92,7 @@ run $PY 04_train.py --config $CFG --epochs "$EPOCHS_RUN" --vocab-mapping $VOCAB 
 stamp "04 train"
 run $PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "$PROMPTS" \
     --max-new-tokens 64 --batch-sizes 1,4;                       stamp "05 evaluate"
-serve=$($PY -c 'from eagle3pipe.engine import serve_command as s; print(s("data/models/smollm2-135m-instruct", "data/checkpoints/last", 3))')
+serve=$($PY -c 'import sys; from eagle3pipe.engine import serve_command as s; print(s(sys.argv[1], sys.argv[2], 3))' \
+        "$MODEL" data/checkpoints/last)
 echo "quickstart: the draft is data/checkpoints/last; serve it with vLLM:"
 echo "  $serve"
