@@ -4,7 +4,7 @@ import logging
 import os
 import time
 
-from . import faults, files, outdir, verifier
+from . import faults, files, locks, outdir, verifier
 from .spool import clear_spool
 from .errors import UsageError
 
@@ -49,7 +49,7 @@ def prepare_output(args, plan):
         return identity, out
     staging = os.path.join(out, INCOMING)
     for pid in os.listdir(staging) if outdir.owned(staging) else []:  # our engine's leftovers from dead runs
-        if pid.isdigit() and not outdir.pid_alive(int(pid)) and outdir.owned(os.path.join(staging, pid)):
+        if pid.isdigit() and not locks.pid_alive(int(pid)) and outdir.owned(os.path.join(staging, pid)):
             clear_spool(os.path.join(staging, pid))
             outdir.remove(os.path.join(staging, pid))
     return identity, out

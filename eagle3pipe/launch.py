@@ -33,9 +33,9 @@ import subprocess
 import sys
 import time
 
-from . import cli, handoff, outdir, preflight
+from . import cli, handoff, locks, outdir, preflight
 from .errors import RunError, UsageError
-from .outdir import quote
+from .errors import quote
 
 STAGE = "02_extract_hidden_states.py"
 ME = "scripts/extract.sh"
@@ -163,10 +163,10 @@ def _busy(out, shard, error):
     """The refusal for a folder another run holds, naming the stage it started (a launcher that just won names its
     stage within a moment); `error` itself when no lock is held."""
     deadline = time.monotonic() + BUSY_S
-    holder = outdir.lock_holder(out, shard)
+    holder = locks.lock_holder(out, shard)
     while holder and ME in holder and time.monotonic() < deadline:
         time.sleep(0.1)
-        holder = outdir.lock_holder(out, shard)
+        holder = locks.lock_holder(out, shard)
     if not holder:
         return error
     return UsageError(f"--output-dir {out}: in use by another run ({holder}); wait for it to finish or stop it first")
@@ -193,10 +193,6 @@ def preflight_run(r):
     return os.path.realpath(real)
 
 
-def _lock_names(r):
-    return [outdir.LOCK] + ([f".eagle3.shard-{r.args.shard[0]}-of-{r.args.shard[1]}.lock"] if r.args.shard else [])
-
-
 def start(r, real):
     """Start the replica in its own session, logging to its log, holding the locks this process took for it."""
     path = os.path.join(real, r.log)
@@ -205,9 +201,9 @@ def start(r, real):
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         os.write(log, f"{stamp} {ME}: starting {STAGE} {' '.join(r.argv)}\n".encode("utf-8", "backslashreplace"))
         outdir.record(path, "g")  # its first line is its identity too (a copy of the folder still counts as ours)
-        locks = [outdir.held_lock(real, name) for name in _lock_names(r)]
+        held = [locks.held_lock(real, name) for name, _ in locks.lock_names(r.args.shard)]
         read_end, write_end = os.pipe()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **handoff.env_for(locks, write_end)}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **handoff.env_for(held, write_end)}
         if r.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = r.gpus
         try:
@@ -215,14 +211,14 @@ def start(r, real):
             script = os.path.relpath(os.path.join(outdir.REPO, STAGE))
             r.proc = subprocess.Popen([sys.executable, script, *r.argv], env=env, stdin=subprocess.DEVNULL,
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                      pass_fds=(*locks, write_end))
+                                      pass_fds=(*held, write_end))
         finally:
             os.close(write_end)
         r.pipe = read_end
     finally:
         os.close(log)
     # until the stage rewrites it, its lock names it (not this launcher, which is about to leave)
-    outdir.name_lock(locks[-1], f"PID {r.proc.pid} on {socket.gethostname()}: {' '.join(r.proc.args[1:])}")
+    locks.name_lock(held[-1], f"PID {r.proc.pid} on {socket.gethostname()}: {' '.join(r.proc.args[1:])}")
 
 
 def confirm(reps):

@@ -266,6 +266,39 @@ def ledger_of(path):
     return None, None
 
 
+def open_beneath(path, flags, mode=0o644):
+    """os.open of `path` with O_NOFOLLOW on every component below the claimed folder holding it (walked with
+    dir_fd), so a subfolder swapped for a link after it was checked is never followed; plain os.open elsewhere."""
+    led, rel = ledger_of(path)
+    if led is None:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    parts = rel.split("/")
+    fd = os.open(led.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        return os.open(parts[-1], flags | os.O_NOFOLLOW, mode, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def open_plain(path, flags, error, what, todo):
+    """An fd of the plain file at `path`, opened without following a link (and without blocking on a FIFO); else
+    `error` (one line)."""
+    try:
+        fd = open_beneath(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise error(f"{quote(path)}: {what} ({'a link' if os.path.islink(path) else e.strerror}); {todo}")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        why = "not a plain file" if not stat.S_ISREG(st.st_mode) else "a hard link: another name shares its contents"
+        raise error(f"{quote(path)}: {what} ({why}); {todo}")
+    return fd
+
+
 def attach(root):
     """In a helper process of the lock holder (a spawned data-loader worker): record into the holder's folder too."""
     real = os.path.realpath(root)

@@ -14,32 +14,27 @@ worst bug this project can have), each enforced here and nowhere else:
   opened with O_CREAT|O_EXCL|O_NOFOLLOW (or O_NOFOLLOW), subfolders are made here and checked to be real folders,
   and deletion removes a link itself, never its target.
 - A path another process hands back (an engine's file) is used only if it resolves inside a spool this stage made.
-- One writer per folder: an advisory lock (`LOCK`) held for the whole run. `--shard` replicas share it and each
-  holds its own shard lock; any other second run is refused with one line naming the process that holds it.
+- One writer per folder (locks.py): an advisory lock (`LOCK`) held for the whole run. `--shard` replicas share it
+  and each holds its own shard lock; any other second run is refused with one line naming the process that holds it.
 """
-import fcntl
 import json
 import logging
 import os
 import re
-import socket
 import stat
-import sys
 import time
 
-from . import handoff
+from . import handoff, locks
 from .errors import RunError, UsageError, quote
-from .ledger import (LEDGER, OLD_RECORD, Ledger, claimed, exclusive_temp, forget, inside as _inside, ledger_of, owned,
-                     record, temp_name)
+from .ledger import (LEDGER, OLD_RECORD, Ledger, claimed, exclusive_temp, forget, inside as _inside, ledger_of,
+                     open_beneath, open_plain, owned, record, temp_name)
+from .locks import LOCK, SHARD_LOCK
 from .ledger import attach, record_tree  # noqa: F401 (the record's API, which the stages reach through this module)
 
-LOCK = ".eagle3.lock"
-SHARD_LOCK = re.compile(r"\.eagle3\.shard-\d+-of-\d+\.lock")
 # scripts/extract.sh opens its log before stage 02 starts: stage 02 accepts these, and never deletes them
 LAUNCHER = re.compile(r"extract(\.shard-\d+)?\.(log|pid)")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 log = logging.getLogger("eagle3")
-_held = []  # the open lock files: a lock lives as long as the process
 _growing = set()  # the logs this process appends to (outdir.finish)
 
 
@@ -98,7 +93,7 @@ def new_temp(path):
         tmp = temp_name(path)
         _planned(tmp)
         try:
-            os.close(_open_beneath(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC))
+            os.close(open_beneath(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC))
             return tmp
         except FileExistsError:
             forget(tmp)  # someone else's: never ours
@@ -128,39 +123,6 @@ def check_replaceable(path, wait=0.5):
                        f"away and rerun")
 
 
-def _open_beneath(path, flags, mode=0o644):
-    """os.open of `path` with O_NOFOLLOW on every component below the claimed folder holding it (walked with
-    dir_fd), so a subfolder swapped for a link after it was checked is never followed; plain os.open elsewhere."""
-    led, rel = ledger_of(path)
-    if led is None:
-        return os.open(path, flags | os.O_NOFOLLOW, mode)
-    parts = rel.split("/")
-    fd = os.open(led.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for part in parts[:-1]:
-            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
-        return os.open(parts[-1], flags | os.O_NOFOLLOW, mode, dir_fd=fd)
-    finally:
-        os.close(fd)
-
-
-def _open_plain(path, flags, error, what, todo):
-    """An fd of the plain file at `path`, opened without following a link (and without blocking on a FIFO); else
-    `error` (one line)."""
-    try:
-        fd = _open_beneath(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise error(f"{quote(path)}: {what} ({'a link' if os.path.islink(path) else e.strerror}); {todo}")
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-        os.close(fd)
-        why = "not a plain file" if not stat.S_ISREG(st.st_mode) else "a hard link: another name shares its contents"
-        raise error(f"{quote(path)}: {what} ({why}); {todo}")
-    return fd
-
-
 def open_append(path, flags=os.O_WRONLY | os.O_APPEND, handed_on=False):
     """A file descriptor that appends to (or locks) a log or lock file of the stage's, created if absent; never
     through a link, never someone else's file. `handed_on`: another process keeps appending after this one exits (the
@@ -170,7 +132,7 @@ def open_append(path, flags=os.O_WRONLY | os.O_APPEND, handed_on=False):
     if led is not None and existed and not led.owns(rel):
         raise RunError(f"{quote(path)}: is not this stage's file (a link, or someone else's); it is left alone: move "
                        f"it away and rerun")
-    fd = _open_plain(path, flags | os.O_CREAT, RunError, "cannot open it", "move it away and rerun")
+    fd = open_plain(path, flags | os.O_CREAT, RunError, "cannot open it", "move it away and rerun")
     os.set_blocking(fd, True)
     if not existed or (led is not None and led.entries.get(rel, ["g"])[0] != "g"):
         record(path, "g")
@@ -317,81 +279,6 @@ def link_file(src, path):
 
 # --------------------------------------------------------------------------------------------- claim and lock
 
-def pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-UNNAMED = "another process"  # a holder whose lock names no one: it took the lock a moment ago, or is not ours
-NAMING_S = 1.0  # how long a reader waits for a lock taken a moment ago to name its holder (microseconds, normally)
-
-
-def name_lock(fd, text):
-    """Write who holds a lock into its file. The new line goes over the old one before the file is cut to it, so a
-    reader at any moment sees a whole line, old or new (it reads the first line), never an empty file."""
-    data = (text.strip() + "\n").encode("utf-8", "backslashreplace")  # a name in Latin-1 bytes stays readable
-    os.pwrite(fd, data, 0)
-    os.ftruncate(fd, len(data))
-
-
-def _lock_text(path):
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            return os.read(fd, 4096).decode("utf-8", "replace").split("\n", 1)[0].strip()
-        finally:
-            os.close(fd)
-    except OSError:
-        return ""
-
-
-def _holder(folder, lock_name=LOCK):
-    """Who holds a lock: its file's first line; for the lock `--shard` replicas share, each replica's shard lock
-    text. A held lock with no text yet is read again for up to NAMING_S: its holder is between taking and naming it."""
-    names = [lock_name]
-    if lock_name == LOCK:
-        names += sorted(n for n in os.listdir(folder) if SHARD_LOCK.fullmatch(n))
-    deadline = time.monotonic() + NAMING_S
-    while True:
-        held, unnamed = [], False
-        for name in names:
-            fd, free = _try_lock(folder, name, fcntl.LOCK_SH, create=False)
-            if fd is not None:
-                os.close(fd)
-            text = _lock_text(os.path.join(folder, name))
-            if text and (not free or len(names) == 1):
-                held.append(quote(text))
-            unnamed |= not free and not text
-        if held or not unnamed or time.monotonic() >= deadline:
-            return "; ".join(held) or UNNAMED
-        time.sleep(0.02)
-
-
-def _try_lock(folder, name, mode, create):
-    """An open file holding `mode` on folder/name, or None if another process holds a conflicting lock. The lock file
-    is never a link: O_NOFOLLOW, and a link there is one line."""
-    path = os.path.join(folder, name)
-    if not create and not os.path.lexists(path):
-        return None, True
-    fd = _open_plain(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY, UsageError, "cannot be the lock",
-                     "a stage never opens a link it did not make: remove it and rerun")
-    handed = handoff.lock_for(fd)  # the launcher that started this process took this lock for it (launch.py)
-    if handed is not None:
-        os.close(fd)
-        return handed, True
-    try:
-        fcntl.flock(fd, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None, False
-    return fd, True
-
-
 def _foreign(folder, stage, led):
     """The first entry at the top of `folder` that is not what this stage made (launcher logs count as stage 02's)."""
     for name in sorted(os.listdir(folder)):
@@ -420,13 +307,9 @@ def check(flag, path, stage, inputs=(), shard=None):
             raise UsageError(f"{flag} {path}: holds the output of stage '{led.stage}'; choose another folder")
         if not os.access(real, os.W_OK):
             raise UsageError(f"{flag} {path}: not writable")
-        for lock_name, mode in _locks(shard):  # another run first: its files in flight are not a stranger's
-            fd, free = _try_lock(real, lock_name, mode, create=False)
-            if not free:
-                raise UsageError(f"{flag} {path}: in use by another run ({_holder(real, lock_name)}); wait for it "
-                                 f"to finish or stop it first")
-            if fd is not None:
-                os.close(fd)
+        holder = locks.lock_holder(real, shard)  # another run first: its files in flight are not a stranger's
+        if holder is not None:
+            raise UsageError(f"{flag} {path}: in use by another run ({holder}); wait for it to finish or stop it first")
         name, why = _foreign(real, stage, led)
         if name is not None:
             raise UsageError(f"{flag} {path}: holds '{quote(name)}' ({why}); a stage never deletes or replaces what "
@@ -438,13 +321,6 @@ def check(flag, path, stage, inputs=(), shard=None):
         if not os.access(parent, os.W_OK):
             raise UsageError(f"{flag} {path}: cannot create it ({parent} is not writable)")
     return real
-
-
-def _locks(shard):
-    if shard:
-        i, n = shard
-        return [(LOCK, fcntl.LOCK_SH), (f".eagle3.shard-{i}-of-{n}.lock", fcntl.LOCK_EX)]
-    return [(LOCK, fcntl.LOCK_EX)]
 
 
 def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
@@ -460,14 +336,7 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
         pass
     except FileNotFoundError:
         os.makedirs(real)
-    for lock_name, mode in _locks(shard):
-        fd, free = _try_lock(real, lock_name, mode, create=True)
-        if not free:  # another run took it since check()
-            raise UsageError(f"{flag} {path}: in use by another run ({_holder(real, lock_name)}); wait for it to "
-                             f"finish or stop it first")
-        if mode == fcntl.LOCK_EX:
-            name_lock(fd, f"PID {os.getpid()} on {socket.gethostname()}: {' '.join(sys.argv)}")
-        _held.append(fd)
+    locks.take(flag, path, real, shard)
     led = Ledger.load(real) or Ledger(real, stage, {})
     if not shard and not handoff.handed():  # a launcher handing its lock over compacted the record just before
         led.write_new(stage)  # compacted; replicas share the record and only append
@@ -504,33 +373,6 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
     return real
 
 
-def held_lock(folder, name=LOCK):
-    """This process's open file holding its lock on folder/name (what a launcher hands the stage it starts), or None."""
-    try:
-        st = os.lstat(os.path.join(os.path.realpath(folder), name))
-    except OSError:
-        return None
-    for fd in _held:
-        f = os.fstat(fd)
-        if (f.st_dev, f.st_ino) == (st.st_dev, st.st_ino):
-            return fd
-    return None
-
-
-def lock_holder(folder, shard=None):
-    """Who holds a lock a run with `shard` would need on `folder` (the text a refusal names), or None if all are free."""
-    real = os.path.realpath(folder)
-    if not os.path.isdir(real):
-        return None
-    for lock_name, mode in _locks(shard):
-        fd, free = _try_lock(real, lock_name, mode, create=False)
-        if fd is not None:
-            os.close(fd)
-        if not free:
-            return _holder(real, lock_name)
-    return None
-
-
 def _refuse_strangers_inside(real):
     """Before --overwrite deletes anything: a file the stage did not make, inside a folder it made and must remake,
     is one line, with nothing deleted and nothing written."""
@@ -551,4 +393,4 @@ def _refuse_strangers_inside(real):
 
 def _live_temp(rel):
     m = re.fullmatch(r".*\.tmp-(\d+)-[0-9a-f]+", rel.rsplit("/", 1)[-1])
-    return bool(m) and int(m.group(1)) != os.getpid() and pid_alive(int(m.group(1)))
+    return bool(m) and int(m.group(1)) != os.getpid() and locks.pid_alive(int(m.group(1)))

@@ -140,7 +140,7 @@ def check_unchanged(flag, jsonl, manifest):
 def readable(flag, paths):
     """Every file the run opens, openable for reading now: an unreadable one (mode 000, another user's) would stop
     the run seconds after a preflight that only looked at names."""
-    from .outdir import quote
+    from .errors import quote
     for p in paths:
         try:
             os.close(os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 
-from . import outdir
+from . import locks, outdir
 from .files import SKIPPED
 from .engine import parent_death_signal
 from .spool import clear_spool, wait_for_engine_file
@@ -294,7 +294,7 @@ def prepare(out, p):
         root = outdir.make_dir(os.path.join(out, SPOOL))
         for name in os.listdir(root):
             path = os.path.join(root, name)
-            if name.isdigit() and not outdir.pid_alive(int(name)) and outdir.owned(path):
+            if name.isdigit() and not locks.pid_alive(int(name)) and outdir.owned(path):
                 clear_spool(path)
                 outdir.remove(path)
         spool = outdir.make_dir(os.path.join(root, str(os.getpid())))

@@ -66,11 +66,11 @@ def test_a_refusal_names_the_holder_even_while_it_takes_or_renames_its_lock(tmp_
     over and over with longer and shorter lines, is always named whole."""
     d = tmp_path / "out"
     d.mkdir()
-    code = (f"import fcntl, os, sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe import outdir; "
+    code = (f"import fcntl, os, sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe import locks; "
             f"fd = os.open({str(d / outdir.LOCK)!r}, os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
             f"print('locked', flush=True); time.sleep(0.3); end = time.monotonic() + 30\n"
             f"while time.monotonic() < end:\n"
-            f"    for n in (1, 200, 7): outdir.name_lock(fd, f'PID {{os.getpid()}} ' + 'x' * n)\n")
+            f"    for n in (1, 200, 7): locks.name_lock(fd, f'PID {{os.getpid()}} ' + 'x' * n)\n")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
