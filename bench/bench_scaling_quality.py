@@ -18,6 +18,7 @@ package's ShareGPT conversations, every epoch measured on held-out prompts by th
         --plot docs/scaling_quality.png             # the data curve from a results file
     python -m bench.bench_scaling_quality compare --work W --src a.json,b.json --runs RUN/EP:RUN/EP,...
                                                 # paired differences between measured epochs, with 95% bands
+                                                # (RUN/EP+RUN/EP on a side pools two seeds prompt by prompt)
 
 A run is SIZE:EPOCHS:SEED[:TOKENS[:LEVERS]]. SIZE is a row count (stage 04's --num-samples: the first N rows of
 stage 01's shuffled output, a random subset of the training records) or `all`; TOKENS, when given, is the tokens per
@@ -31,6 +32,7 @@ once, batched, in float32, and stored in W/refs.pt; each checkpoint is then one 
 """
 import argparse
 import glob
+import hashlib
 import json
 import os
 import re
@@ -219,6 +221,7 @@ def measure(w, device):
     if not glob.glob(f"{w}/ck/*/[0-9]*/model.safetensors"):
         return {}  # no epoch saved yet: the references need a checkpoint's layer ids
     refs = references(w, device)
+    refs_id = hashlib.sha256(json.dumps([r["tokens"] for r in refs]).encode()).hexdigest()[:16]
     stops = acceptance.stop_ids(MODEL)
     path = f"{w}/measure.json"
     done = json.load(open(path)) if os.path.isfile(path) else {}
@@ -241,7 +244,7 @@ def measure(w, device):
                                 "per_position": [x / drafts for x in per_pos], "per_prompt": per_prompt}
             vm = f"{ck}/val_metrics.json"
             rec["trainer"] = expected_acceptance(json.load(open(vm))) if os.path.isfile(vm) else None
-            rec["seconds"] = round(time.time() - t0, 1)
+            rec["seconds"], rec["refs"] = round(time.time() - t0, 1), refs_id
             done[key] = rec
             print(f"{key}: k=3 {rec['k3']['acceptance_length']:.4f} k=5 {rec['k5']['acceptance_length']:.4f} "
                   f"trainer {rec['trainer']} ({rec['seconds']} s)", flush=True)
@@ -278,21 +281,33 @@ def paired(a, b, n=2000, seed=0):
     return _length(b, every) - _length(a, every), diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
 
 
+def pooled(m, side, k="k3"):
+    """One side of a comparison: RUN/EPOCH, or several '+'-joined (two seeds of one recipe) pooled prompt by prompt
+    (drafts and accepted tokens summed), so the band covers both seeds. -> (per_prompt, acceptance length, refs)."""
+    keys = side.split("+")
+    per = [[sum(x) for x in zip(*rows)] for rows in zip(*(m[key][k]["per_prompt"] for key in keys))]
+    return per, 1 + sum(a for _, a in per) / sum(d for d, _ in per), {m[key].get("refs") for key in keys}
+
+
 def compare(srcs, pairs, k="k3"):
-    """Paired differences between measured epochs (RUN/EPOCH:RUN/EPOCH, epochs counted from 0) from one or more
-    measure.json files (bench/results/scaling_quality_*.json): the 200 prompts and their references are the same in
-    every study, so epochs measured on different days pair prompt by prompt."""
+    """Paired differences between measured epochs (A:B, each side RUN/EPOCH with epochs counted from 0, or seeds
+    '+'-joined and pooled) from one or more measure.json files (bench/results/scaling_quality_*.json): the 200 prompts
+    are the same in every study, so epochs measured on different days pair prompt by prompt. Each measure since
+    2026-12-05 names its references (a hash of the verifier's continuations); where two sides name different ones
+    (another GPU's float32 kernels flipped a near-tie), the line says so."""
     m = {}
     for src in srcs:
         m.update(json.load(open(src)))
     for pair in pairs:
         a, b = pair.split(":")
-        for key in (a, b):
+        for key in (x for side in (a, b) for x in side.split("+")):
             if key not in m:
                 sys.exit(f"--runs: {key!r} is in none of {', '.join(srcs)}")
-        d, lo, hi = paired(m[a][k]["per_prompt"], m[b][k]["per_prompt"])
-        print(f"{b} - {a}: {k} {m[b][k]['acceptance_length']:.4f} - {m[a][k]['acceptance_length']:.4f} = {d:+.4f} "
-              f"(95%: {lo:+.4f} to {hi:+.4f})", flush=True)
+        (pa, la, ra), (pb, lb, rb) = pooled(m, a, k), pooled(m, b, k)
+        d, lo, hi = paired(pa, pb)
+        refs = ra | rb
+        note = "; references differ between runs" if len(refs - {None}) > 1 else ""
+        print(f"{b} - {a}: {k} {lb:.4f} - {la:.4f} = {d:+.4f} (95%: {lo:+.4f} to {hi:+.4f}){note}", flush=True)
 
 
 def best_epochs(w, k="k3"):
@@ -407,11 +422,12 @@ def curve(src, plot):
 STUDY = "300:10:0,300:10:1,1000:10:0,1000:10:1,3000:10:0:4096,3000:10:1:4096,10000:4:0:8192,all:3:0:8192"
 # the levers at all the data (docs/RECIPE.md): the 32,768-token vocabulary, then two and three draft layers on it;
 # then at 32,768 tokens a step: two and three layers, the whole vocabulary and 16,384 tokens; six epochs; the first
-# study's two best levers through vLLM (a Qwen3-style layer, TTT loss decay 0.8)
+# study's two best levers through vLLM (a Qwen3-style layer, TTT loss decay 0.8); second seeds of the baseline and
+# the Qwen3-style layer
 LEVERS = ("all:3:0:8192:v32768,all:3:1:8192:v32768,all:3:0:8192:v32768+L2,all:3:1:8192:v32768+L2,"
           "all:3:0:8192:v32768+L3,all:3:0:32768:v32768+L2,all:3:0:32768:v32768+L3,all:3:0:32768:v49152+L2,"
           "all:3:0:32768:v16384+L2,all:6:0:32768:v32768+L2+e6,all:3:0:32768:v32768+L2+qwen3-layer,"
-          "all:3:0:32768:v32768+L2+decay0.8")
+          "all:3:0:32768:v32768+L2+decay0.8,all:3:1:32768:v32768+L2,all:3:1:32768:v32768+L2+qwen3-layer")
 
 
 def study(w, states, parallel, plot):

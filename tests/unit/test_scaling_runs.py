@@ -1,5 +1,8 @@
 """The scaling bench's run specs (bench/bench_scaling_quality.py): every spec is checked before any run starts, and
-two specs that would train into one folder are refused (a 6-epoch and a 3-epoch run once shared one)."""
+two specs that would train into one folder are refused (a 6-epoch and a 3-epoch run once shared one); comparisons
+pool seeds prompt by prompt."""
+import json
+
 import pytest
 
 from bench.bench_scaling_quality import plan_runs
@@ -32,3 +35,19 @@ def test_the_paired_difference_and_its_band():
     b = [[d, x + 2] for d, x in a]  # two more accepted on every prompt
     d, lo, hi = paired(a, b)
     assert abs(d - 8 / 35) < 1e-12 and 0 < lo <= d <= hi  # 1 + 49/35 - (1 + 41/35); every resample gains
+
+
+def test_two_seeds_pool_prompt_by_prompt_and_differing_references_are_named(capsys, tmp_path):
+    from bench.bench_scaling_quality import compare, pooled
+    rec = lambda per, refs=None: {"k3": {"per_prompt": per, "acceptance_length": 0.0}, **({"refs": refs} if refs else {})}
+    m = {"a/0": rec([[10, 10], [10, 0]], "r1"), "a/1": rec([[10, 20], [30, 0]], "r1"),
+         "b/0": rec([[10, 12], [10, 2]], "r2")}
+    per, length, refs = pooled(m, "a/0+a/1")
+    assert per == [[20, 30], [40, 0]] and length == 1 + 30 / 60 and refs == {"r1"}  # summed, not averaged per prompt
+    src = tmp_path / "m.json"
+    src.write_text(json.dumps(m))
+    compare([str(src)], ["a/0:b/0"])
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("b/0 - a/0: k3 1.7000 - 1.5000 = +0.2000") and line.endswith("references differ between runs")
+    compare([str(src)], ["a/0:a/1"])
+    assert "references differ" not in capsys.readouterr().out
