@@ -2,7 +2,7 @@
 
 Nothing is ever half-written: a file is written under a fresh temporary name `.<name>.tmp-<pid>-<random>` in the
 same folder and renamed. A stage drops its manifest before replacing any of its files and writes it last, so a folder with a
-manifest is always complete. Which files a folder's stage owns, and the lock: outdir.py.
+manifest is always complete. Which files a folder's stage owns: ledger.py and outdir.py; the lock: locks.py.
 """
 import contextlib
 import datetime

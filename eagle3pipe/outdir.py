@@ -1,7 +1,7 @@
-"""Output folders: what a stage made, the one-writer lock, and the only ways a stage writes, renames or deletes.
+"""Output folders: what a stage may take, the claim, and the only ways a stage writes, renames or deletes.
 
 The rules (an operator's folder holds their notes, their git repo, another run; losing one of their files is the
-worst bug this project can have), each enforced here and nowhere else:
+worst bug this project can have), each enforced here (the record in ledger.py, the lock in locks.py):
 - An output path is refused when it is empty, `/`, the home folder, the repository root, the working folder, an
   ancestor of any of those, an input of the same run, inside an input, or containing one. A symlink is resolved
   first, so the checks apply to the real folder.
