@@ -20,6 +20,7 @@ without a draft, so equality is only meaningful one prompt at a time.
 import os
 
 from eagle3pipe import cli, compute, conversations, files, outdir, verifier
+from eagle3pipe.evaluation import PREPARED_DEFAULT
 
 ENGINE_LOG = "engine.log"
 
@@ -32,7 +33,8 @@ def parse_args(argv=None):
                         "the same prompts, ranked by acceptance, and the best reported")
     p.add_argument("--prompts", default="sharegpt", help="'sharegpt' (held out after stage 01's range), a chat "
                    "file or folder, or a hub dataset")
-    p.add_argument("--prepared-data", default="data/prepared", help="stage 01 folder (how many records to skip)")
+    p.add_argument("--prepared-data", default=PREPARED_DEFAULT,
+                   help="stage 01 folder (how many records to skip); a path given that does not exist is refused")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)

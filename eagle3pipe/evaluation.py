@@ -175,12 +175,21 @@ def reconcile(draft, measured):
             "note": note}
 
 
+PREPARED_DEFAULT = "data/prepared"  # stage 05's --prepared-data when none is given
+
+
 def held_out_skip(prompts, prepared_data):
     """How many leading records of `prompts` stage 01 trained on, to skip: every one of them when --prepared-data's
     dataset is the same source (paths compared resolved, against the folder stage 01 ran in). -> (skip, a warning or
-    None). A --prepared-data that is not a stage 01 folder is refused: evaluating on training data would go unseen."""
+    None). A --prepared-data that is not a stage 01 folder is refused: evaluating on training data would go unseen.
+    The default folder may be absent (prompts of a source stage 01 never read: a warning); a path the operator gave
+    (a flag, a config key) that does not exist is a typo until they say otherwise, and refused."""
     from .files import load_stage
     if not os.path.exists(prepared_data):
+        if prepared_data != PREPARED_DEFAULT:
+            raise UsageError(f"--prepared-data {prepared_data}: not found; give stage 01's folder (the records it "
+                             f"trained on are skipped), or leave --prepared-data out to evaluate --prompts from its "
+                             f"first record")
         return 0, (f"--prepared-data {prepared_data}: not found, so which records of --prompts stage 01 trained on "
                    f"is unknown; evaluating from the first record (give stage 01's folder to skip them)")
     prep = load_stage("--prepared-data", prepared_data, "prepare")

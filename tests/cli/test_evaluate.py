@@ -2,6 +2,7 @@
 import json
 import os
 
+import pytest
 
 from conftest import assert_refused, run_script, snapshot
 from eagle3pipe.compute import visible_gpus
@@ -33,6 +34,7 @@ def test_refusals(model_path, stages, trained, tmp_path):
          ["is inside the input --prepared-data"]),
         # a --prepared-data that is not stage 01's cannot say which prompts were trained on: refused, not guessed
         (["--prepared-data", str(stages["hs"])], ["--prepared-data", "is the output of stage 'extract'"]),
+        (["--prepared-data", str(tmp_path / "prepraed")], ["--prepared-data", "prepraed: not found; give stage 01's"]),
         (["--draft", str(out / "last"), str(out / "last")], ["named twice"]),
         # the flags against the verifier's positions and the device, before any draft or prompt is read
         (["--num-speculative-tokens", "1000000"], ["--num-speculative-tokens 1000000", "at most 32"]),
@@ -66,12 +68,16 @@ def test_prompts_are_held_out(stages):
 
 def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, tmp_path, monkeypatch):
     """Stage 01's records are skipped when --prompts names the same source, relative or absolute, from wherever each
-    stage ran; a missing stage 01 folder is a warning that says evaluation starts at the first record."""
+    stage ran; the default stage 01 folder absent is a warning that says evaluation starts at the first record, a
+    folder given that does not exist is refused."""
     from eagle3pipe import evaluation
     man = json.load(open(stages["prepared"] / "manifest.json"))
     assert evaluation.held_out_skip("sharegpt", str(stages["prepared"])) == (man["counts"]["records_read"], None)
-    skip, warning = evaluation.held_out_skip("sharegpt", str(tmp_path / "missing"))
+    monkeypatch.chdir(tmp_path)  # no data/prepared here: the default folder absent is a warning
+    skip, warning = evaluation.held_out_skip("sharegpt", evaluation.PREPARED_DEFAULT)
     assert skip == 0 and "evaluating from the first record" in warning
+    with pytest.raises(evaluation.UsageError, match=r"^--prepared-data \S+/prepraed: not found; give stage 01's"):
+        evaluation.held_out_skip("sharegpt", str(tmp_path / "prepraed"))  # a path given is a typo, not a default
     data = tmp_path / "ds" / "chats.jsonl"
     data.parent.mkdir()
     data.write_text("")
@@ -98,7 +104,6 @@ def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, 
     assert evaluation.held_out_skip(str(folder / "sub" / "b.jsonl"), str(prep)) == (3, None)
     assert evaluation.held_out_skip(str(folder / "sub"), str(prep)) == (3, None)
     assert evaluation.held_out_skip(str(folder), str(prep)) == (7, None)
-    import pytest
     from eagle3pipe.errors import UsageError
     with pytest.raises(UsageError, match="holds the dataset stage 01 trained on"):
         evaluation.held_out_skip(str(tmp_path), str(prep))
