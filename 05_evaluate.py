@@ -74,7 +74,7 @@ def main():
         run = os.path.dirname(os.path.realpath(d)) if os.path.isfile(os.path.join(d, "config.json")) else d
         inputs.append(("--draft", run if os.path.lexists(os.path.join(run, files.MANIFEST)) else d))
     outdir.check("--output-dir", args.output_dir, "evaluate", inputs)
-    skip, unknown = evaluation.held_out_skip(args.prompts, args.prepared_data)  # never evaluate on training data
+    skip, unknown = evaluation.held_out_skip(args.prompts, args.prepared_data, drafts)  # never on training data
     train_metrics, cut = evaluation.read_train_metrics(drafts[0][1])
     wheres = []
     prompts = evaluation.select_prompts(args, skip, wheres)

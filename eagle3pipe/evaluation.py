@@ -11,7 +11,7 @@ import time
 
 from . import engine
 from .draft_check import check_draft, serving_mismatches  # noqa: F401 (the draft's checks; tests' names)
-from .errors import UsageError
+from .errors import UsageError, quote
 
 log = logging.getLogger("eagle3")
 
@@ -178,21 +178,35 @@ def reconcile(draft, measured):
 PREPARED_DEFAULT = "data/prepared"  # stage 05's --prepared-data when none is given
 
 
-def held_out_skip(prompts, prepared_data):
+def held_out_skip(prompts, prepared_data, drafts=()):
     """How many leading records of `prompts` stage 01 trained on, to skip: every one of them when --prepared-data's
     dataset is the same source (paths compared resolved, against the folder stage 01 ran in). -> (skip, a warning or
     None). A --prepared-data that is not a stage 01 folder is refused: evaluating on training data would go unseen.
     The default folder may be absent (prompts of a source stage 01 never read: a warning); a path the operator gave
-    (a flag, a config key) that does not exist is a typo until they say otherwise, and refused."""
+    (a flag, a config key) that does not exist is a typo until they say otherwise, and refused. `drafts`: [(name,
+    path)]; a draft whose stage 04 manifest says it trained on another stage 01 output than --prepared-data is
+    refused (that output's records are the ones to skip)."""
     from .files import load_stage
+    def field(man, section, key):  # a manifest is the user's file: any shape
+        value = man.get(section)
+        return value.get(key) if isinstance(value, dict) and isinstance(value.get(key), str) else None
+    trained_from = {path: train_manifest(path) for _, path in drafts}
     if not os.path.exists(prepared_data):
         if prepared_data != PREPARED_DEFAULT:
             raise UsageError(f"--prepared-data {prepared_data}: not found; give stage 01's folder (the records it "
                              f"trained on are skipped), or leave --prepared-data out to evaluate --prompts from its "
                              f"first record")
+        recorded = sorted({field(m, "inputs", "prepared_data") for m in trained_from.values()} - {None})
+        hint = f" (the draft's run read {', '.join(map(quote, recorded))})" if recorded else ""
         return 0, (f"--prepared-data {prepared_data}: not found, so which records of --prompts stage 01 trained on "
-                   f"is unknown; evaluating from the first record (give stage 01's folder to skip them)")
+                   f"is unknown; evaluating from the first record (give stage 01's folder to skip them{hint})")
     prep = load_stage("--prepared-data", prepared_data, "prepare")
+    for path, man in trained_from.items():
+        ident, where = field(man, "identity", "prepared"), field(man, "inputs", "prepared_data")
+        if ident and prep.get("content_id") and ident != prep["content_id"]:
+            raise UsageError(f"--prepared-data {prepared_data}: not the stage 01 output --draft {path} trained on "
+                             f"(its run read {quote(where) if where else 'another'}, content {ident}; this one is "
+                             f"{prep['content_id']}): the records to skip are that one's; give it")
 
     def source(name, cwd):
         path = os.path.join(cwd or os.getcwd(), name) if isinstance(name, str) else None

@@ -1,6 +1,7 @@
 """Stage 05 through its command line: refusals before any model loads, and which prompts are held out."""
 import json
 import os
+import shutil
 
 import pytest
 
@@ -18,6 +19,11 @@ def test_refusals(model_path, stages, trained, tmp_path):
     cfg = json.load(open(out / "last" / "config.json"))
     cfg["transformer_layer_config"]["hidden_size"] = 4096
     json.dump(cfg, open(wrong_size / "config.json", "w"))
+    other_prep = tmp_path / "other-prep"  # another stage 01 run's output (its content differs from the draft's)
+    shutil.copytree(stages["prepared"], other_prep)
+    man = json.load(open(other_prep / "manifest.json"))
+    man["content_id"] = "0" * 16
+    json.dump(man, open(other_prep / "manifest.json", "w"))
     cases = [
         (["--draft", str(tmp_path / "nope")], ["--draft", "nope: not found"]),
         (["--draft", str(out / "last" / "config.json")], ["--draft", "config.json: a file; give the checkpoint's folder"]),
@@ -35,6 +41,7 @@ def test_refusals(model_path, stages, trained, tmp_path):
         # a --prepared-data that is not stage 01's cannot say which prompts were trained on: refused, not guessed
         (["--prepared-data", str(stages["hs"])], ["--prepared-data", "is the output of stage 'extract'"]),
         (["--prepared-data", str(tmp_path / "prepraed")], ["--prepared-data", "prepraed: not found; give stage 01's"]),
+        (["--prepared-data", str(other_prep)], ["not the stage 01 output --draft", "last trained on", "give it"]),
         (["--draft", str(out / "last"), str(out / "last")], ["named twice"]),
         # the flags against the verifier's positions and the device, before any draft or prompt is read
         (["--num-speculative-tokens", "1000000"], ["--num-speculative-tokens 1000000", "at most 32"]),
@@ -82,7 +89,6 @@ def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, 
     data.parent.mkdir()
     data.write_text("")
     prep = tmp_path / "prep"
-    import shutil
     shutil.copytree(stages["prepared"], prep)
     m = json.load(open(prep / "manifest.json"))
     m["args"]["dataset"], m["cwd"] = "ds/chats.jsonl", str(tmp_path)  # stage 01 ran in tmp_path with a relative path
@@ -110,7 +116,6 @@ def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, 
 
 
 def test_a_training_log_cut_short_is_named_not_fatal(trained, tmp_path):
-    import shutil
     from eagle3pipe import evaluation
     out, _ = trained
     copy = tmp_path / "ck"
@@ -126,7 +131,6 @@ def test_a_training_log_cut_short_is_named_not_fatal(trained, tmp_path):
 def test_several_drafts_are_named_by_their_run(model_path, trained, tmp_path):
     """--draft A B: every checkpoint of both, each named '<run folder>/<epoch>', so the ranking tells them apart."""
     import os
-    import shutil
     from eagle3pipe import evaluation, verifier
     out, _ = trained
     other = tmp_path / "other-run"
