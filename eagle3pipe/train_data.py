@@ -3,6 +3,7 @@ files read through a checked transfer (a bad sample skipped and counted), and st
 speculators reads (the bridge; online runs build it too, with the engine's address). Hidden states are never copied:
 speculators' `hidden_states_path` points at stage 02's folder, row i <-> hs_i.
 """
+import array
 import dataclasses
 import json
 import logging
@@ -126,15 +127,23 @@ CHECKED = "eagle3pipe-checked"  # our transfer's name in speculators' backend re
 MAX_BAD_SHARE = 0.01  # of the rows: more bad samples than this (and more than one) stop the run
 
 
+def ids_digest(ids):
+    """A row's token ids in one int: its length and 17 ids spread over it. A file holding another row's states
+    (copied or renamed over this one) differs here; two rows that agree on all of it are alike enough to train on."""
+    return hash((len(ids), tuple(ids[::max(1, len(ids) // 16)]), ids[-1] if ids else None))
+
+
 class CheckedFiles:
     """speculators' HiddenStatesTransfer for offline training: stage 02's files, each read once and checked where it
     is read (hidden_states.load_sample: header, dtypes, CRC-32, finite values), not in a pass over every byte before
     step 1. A bad sample is skipped and logged in logs/skipped.jsonl; more than MAX_BAD_SHARE of the rows (and more
     than one) stop the run with one line. Picklable: data-loader workers get a copy."""
 
-    def __init__(self, folder, n_states, hidden, skipped_log, rows, dtype="bfloat16", failed=(), packed=False):
+    def __init__(self, folder, n_states, hidden, skipped_log, rows, dtype="bfloat16", failed=(), packed=False,
+                 digests=None):
         self.folder, self.n_states, self.hidden, self.skipped_log = folder, n_states, hidden, skipped_log
         self.rows, self.dtype, self.failed, self.packed = rows, dtype, frozenset(failed), packed
+        self.digests = digests  # array('q') of ids_digest per row: a file must hold its own row's tokens
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -150,6 +159,8 @@ class CheckedFiles:
                 self.skip(int(file_idx), "missing (deleted since stage 02 wrote it)")
             return None  # a row stage 02 could not extract: speculators skips it
         reason, t = load_sample(path, self.n_states, self.hidden)
+        if not reason and self.digests is not None and ids_digest(t["token_ids"].tolist()) != self.digests[int(file_idx)]:
+            reason = "its token_ids are not this row's (another sample's file copied or renamed over it?)"
         if reason:
             self.skip(int(file_idx), reason)
             return None
@@ -219,7 +230,8 @@ class OfflineData:
         wait_for_bridge(self.bridge)
         install_checked(CheckedFiles(os.path.abspath(self.args.hidden_states), len(self.states.layer_ids),
                                      self.states.hidden_size, os.path.join(self.out, "logs", files.SKIPPED),
-                                     len(self.rows), self.dtype, set(self.states.failed), packed=self.fp8))
+                                     len(self.rows), self.dtype, set(self.states.failed), packed=self.fp8,
+                                     digests=array.array("q", (ids_digest(ids) for ids, *_ in self.rows))))
         return self
 
     def __exit__(self, *exc):

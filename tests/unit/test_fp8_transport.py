@@ -2,6 +2,8 @@
 dequantized where the trainer runs equals, bit for bit, the batch the workers used to dequantize themselves, in each
 compute dtype, with samples of different lengths, a missing sample, padding and an all-empty batch; and it moves half
 the bytes. (Stage 04 on an fp8 folder with a spawned data-loader worker: tests/slow/test_shards.py.)"""
+import json
+
 import datasets
 import pytest
 import torch
@@ -85,3 +87,19 @@ def test_a_bf16_file_in_an_fp8_folder_is_skipped_by_name(folder, tmp_path):
     t = CheckedFiles(str(tmp_path), L, H, str(tmp_path / "skipped.jsonl"), rows=200, packed=True)
     assert t.get_cached(0) is None and t.get_cached(2)["hidden_states"].dtype == torch.uint8
     assert "bfloat16 states in an fp8 folder" in (tmp_path / "skipped.jsonl").read_text()
+
+
+def test_a_file_holding_another_row_is_skipped_by_name(folder, tmp_path):
+    """A valid file copied or renamed over another row's (same format, another sample's tokens) is a bad sample named
+    in logs/skipped.jsonl, not a batch that comes out empty with nothing recorded."""
+    import array
+    import shutil
+    from eagle3pipe.train_data import ids_digest
+    ids = [hs.load_sample(hs.hs_path(folder, i), L, H)[1]["token_ids"].tolist() for i in (0, 2)]
+    shutil.copy(folder / "hs_0.safetensors", tmp_path / "hs_0.safetensors")
+    shutil.copy(folder / "hs_0.safetensors", tmp_path / "hs_2.safetensors")  # row 0's states under row 2's name
+    digests = array.array("q", [ids_digest(ids[0]), 0, ids_digest(ids[1])])
+    t = CheckedFiles(str(tmp_path), L, H, str(tmp_path / "skipped.jsonl"), rows=200, packed=True, digests=digests)
+    assert t.get_cached(0) is not None and t.get_cached(2) is None
+    line = json.loads((tmp_path / "skipped.jsonl").read_text())
+    assert line["row"] == 2 and "token_ids are not this row's" in line["reason"]
