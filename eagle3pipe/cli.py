@@ -20,15 +20,15 @@ import signal
 import sys
 import typing
 
-from .errors import RunError, UsageError, oneline  # noqa: F401 (the scripts' and tests' names for them)
+from .errors import RunError, UsageError, oneline, resume_hint  # noqa: F401 (the scripts' and tests' names for them)
 
 
 # errno -> what the operator does about it; the errors of a path they gave exit 2, the machine's state exits 1
 _OS_HINTS = {
-    errno.ENOSPC: (1, "the disk is full: free space (or choose another folder), then rerun the same command to resume"),
-    errno.EDQUOT: (1, "the disk quota is used up: free space, then rerun the same command to resume"),
+    errno.ENOSPC: (1, "the disk is full: free space (or choose another folder), then {resume}"),
+    errno.EDQUOT: (1, "the disk quota is used up: free space, then {resume}"),
     errno.EFBIG: (1, "the file size limit was reached (ulimit -f, or the filesystem's): raise it, then rerun"),
-    errno.EIO: (1, "an I/O error: check the disk, then rerun the same command to resume"),
+    errno.EIO: (1, "an I/O error: check the disk, then {resume}"),
     errno.EROFS: (2, "the filesystem is read-only: choose a writable folder"),
     errno.EACCES: (2, "permission denied: check the path's permissions"),
     errno.EPERM: (2, "operation not permitted: check the path's permissions"),
@@ -57,7 +57,7 @@ def describe(e):
     if isinstance(e, OSError) and e.errno in _OS_HINTS:
         code, hint = _OS_HINTS[e.errno]
         names = " -> ".join(os.fsdecode(n) for n in (e.filename, e.filename2) if n is not None)
-        return code, f"{names + ': ' if names else ''}{e.strerror}; {hint}"
+        return code, f"{names + ': ' if names else ''}{e.strerror}; {hint.format(resume=resume_hint())}"
     if isinstance(e, MemoryError):
         return 1, "out of memory; lower --batch-size or --max-seq-len (or free memory), then rerun"
     if isinstance(e, UnicodeError):
@@ -81,7 +81,7 @@ def run(main, exit_now=False):
         code = main()
     except KeyboardInterrupt as e:
         sig = getattr(e, "signum", signal.SIGINT)
-        print(f"error: stopped by a signal ({signal.Signals(sig).name}); rerun the same command to resume",
+        print(f"error: stopped by a signal ({signal.Signals(sig).name}); {resume_hint()}",
               file=sys.stderr, flush=True)
         code = 128 + sig
     except SystemExit:

@@ -2,6 +2,13 @@
 so every module can raise them (cli.run prints them: UsageError exit 2, RunError exit 1)."""
 
 
+def resume_hint():
+    """How an interrupted stage resumes: the same command, less --overwrite (with it, the rerun would delete what the
+    stopped run made and start over)."""
+    import sys
+    return "rerun the same command" + (" without --overwrite" if "--overwrite" in sys.argv[1:] else "") + " to resume"
+
+
 class UsageError(Exception):
     """A problem the operator fixes by changing a flag, a file or a record. Printed as one line, exit 2."""
 

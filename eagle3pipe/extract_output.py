@@ -103,9 +103,9 @@ def finish(args, plan, identity, rows, failed, stats):
         if bad:
             i, reason = next(iter(bad.items()))
             shards = ", ".join(f"{k}/{n}" for k in sorted({j % n for j in bad}))
-            log.error(f"{len(bad)} rows have no valid file, e.g. hs_{i}.safetensors: {reason}; "
-                      f"{f'rerun shard(s) {shards}' if n > 1 else 'rerun stage 02'} with the same flags "
-                      f"(it redoes only those)")
+            log.error(f"{len(bad)} rows have no valid file, e.g. hs_{i}.safetensors: {reason}; move the bad "
+                      f"files away, then {f'rerun shard(s) {shards}' if n > 1 else 'rerun stage 02'} with the same "
+                      f"flags (it makes only the missing ones again)")
             return 1
         stats = {"tokens": sum(r["tokens"] for r in reports), "seconds": max((r["seconds"] for r in reports), default=0),
                  "resumed": sum(r["resumed"] for r in reports), "shards": n} if reports else stats

@@ -18,7 +18,7 @@ import time
 
 from . import engines, faults, outdir
 from .spool import remove_spool_file, wait_for_engine_file
-from .errors import UsageError
+from .errors import UsageError, resume_hint
 from .hidden_states import (SCALES, check_file, check_header, finite, hs_path, load_checked, quantize_fp8, read_header,
                             save)
 
@@ -300,5 +300,5 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
             signal.signal(sig, handler)
     if stop:
         log.warning(f"stopped by {signal.Signals(stop['signal']).name}: {len(written):,} of {len(todo):,} samples "
-                    f"written this run; rerun the same command to resume")
+                    f"written this run; {resume_hint()}")
     return failed, done_tokens[0], time.time() - t0, stop.get("signal")

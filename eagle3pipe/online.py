@@ -26,6 +26,7 @@ import os
 import sys
 
 from . import engine, online_plan, outdir, sample_cache, train_data
+from .errors import resume_hint
 from .spool import clear_spool
 
 log = logging.getLogger("eagle3")
@@ -76,6 +77,6 @@ class Session:
 
 def stop_run(reason, out):
     """The engine died mid-run: one line, and out at once (the data-loader workers notice and exit too)."""
-    print(f"error: {reason}; the checkpoints so far are kept in {out}: rerun the same command to resume",
+    print(f"error: {reason}; the checkpoints so far are kept in {out}: {resume_hint()}",
           file=sys.stderr, flush=True)
     os._exit(1)

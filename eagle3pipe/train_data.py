@@ -116,7 +116,8 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
     if bad:
         i, reason = bad[0]
         raise UsageError(f"--hidden-states {args.hidden_states}: {len(bad)} bad file(s), e.g. hs_{i}.safetensors: "
-                         f"{reason}; rerun {STAGE_SCRIPTS['extract']} (it redoes only those)")
+                         f"{reason}; move the bad files away, then rerun {STAGE_SCRIPTS['extract']} with its flags (it "
+                         f"makes only the missing ones again)")
     return prep, states, voc, rows, failed
 
 
@@ -192,8 +193,9 @@ class CheckedFiles:
             n = len({json.loads(line)["row"] for line in f if line.strip()})
         if n > max(1, MAX_BAD_SHARE * self.rows):
             raise RunError(f"--hidden-states {self.folder}: {n} of {self.rows} samples are bad (e.g. hs_{i}.safetensors: "
-                           f"{reason}), more than {MAX_BAD_SHARE:.0%}; rerun {STAGE_SCRIPTS['extract']} (it redoes "
-                           f"only those), then this command")
+                           f"{reason}), more than {MAX_BAD_SHARE:.0%}; move the bad files away (logs/skipped.jsonl "
+                           f"names them), rerun {STAGE_SCRIPTS['extract']} (it makes only the missing ones again), then "
+                           f"this command")
 
 
 def skipped_rows(out):

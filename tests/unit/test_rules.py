@@ -2,6 +2,7 @@
 the typed settings records (types, finiteness, ranges, choices, rules between flags) with the config file's keys."""
 import math
 import os
+import sys
 
 import pytest
 
@@ -226,6 +227,16 @@ def test_every_failure_is_one_line_with_the_right_exit_code():
         assert got == code and needle in line and "\n" not in line, (exc, got, line)
     name = os.fsdecode(b"caf\xe9\nnotes")  # Latin-1 bytes and a newline in a file name
     assert cli.oneline(f"{name}: not a folder") == "caf\\xe9\\nnotes: not a folder"
+
+
+def test_an_interrupted_overwrite_run_is_told_to_resume_without_overwrite(monkeypatch):
+    """Rerunning a stopped --overwrite run as it was would delete what it made and start over."""
+    import errno
+    disk_full = OSError(errno.ENOSPC, "No space left on device", "/d/x")
+    monkeypatch.setattr(sys, "argv", ["04_train.py", "--lr", "1e-3"])
+    assert cli.describe(disk_full)[1].endswith("then rerun the same command to resume")
+    monkeypatch.setattr(sys, "argv", ["04_train.py", "--lr", "1e-3", "--overwrite"])
+    assert cli.describe(disk_full)[1].endswith("then rerun the same command without --overwrite to resume")
 
 
 def test_inputs_must_be_regular_files_and_npy_headers_match_their_size(tmp_path):
