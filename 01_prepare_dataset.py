@@ -168,7 +168,7 @@ def main():
     # content_id: later stages key their resume on what the rows are, not on when they were written
     files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
         "prepare", args, content_id=digest.hexdigest()[:16], verifier=fp, source=dict(info), counts=stats,
-        regenerated=regen))
+        regenerated=regen, token_freq_id=files.array_id(freq)))
     log.info(f"wrote {len(rows)} rows, {tokens:,} tokens ({stats['loss_tokens']:,} trained, "
              f"{stats['loss_tokens'] / tokens:.1%}) to {args.output_dir}; skipped {sum(skipped.values())} "
              f"{dict(skipped)}; truncated {counts['truncated']}")

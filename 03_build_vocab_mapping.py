@@ -60,6 +60,9 @@ def main():
     if int(freq.sum()) != prep["counts"]["loss_tokens"]:
         raise cli.UsageError(f"{freq_path}: counts {int(freq.sum()):,} loss-masked tokens, its folder's {files.MANIFEST} "
                              f"{prep['counts']['loss_tokens']:,}: not this run's file; rerun 01_prepare_dataset.py")
+    if "token_freq_id" in prep and files.array_id(freq) != prep["token_freq_id"]:  # counts moved, sum kept
+        raise cli.UsageError(f"{freq_path}: changed since stage 01 wrote it (content id {files.array_id(freq)}, its "
+                             f"folder's {files.MANIFEST} says {prep['token_freq_id']}); rerun 01_prepare_dataset.py")
     d2t, t2d, coverage = build_mapping(freq, args.draft_vocab_size)
 
     out = outdir.claim("--output-dir", args.output_dir, "vocab", inputs)
@@ -68,7 +71,7 @@ def main():
     files.save_npy(os.path.join(out, "t2d.npy"), t2d)
     files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
         "vocab", args, content_id=files.content_id([d2t.tolist(), prep["content_id"]]), verifier=prep["verifier"],
-        prepared_data=os.path.abspath(args.prepared_data),
+        prepared_data=os.path.abspath(args.prepared_data), d2t_id=files.array_id(d2t),
         counts={"verifier_vocab_size": vocab, "draft_vocab_size": args.draft_vocab_size,
                 "tokens_seen": int((freq > 0).sum()), "loss_tokens": int(freq.sum()), "coverage": coverage}))
     log.info(f"draft vocab {args.draft_vocab_size:,} of {vocab:,} verifier tokens ({int((freq > 0).sum()):,} "

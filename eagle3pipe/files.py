@@ -251,6 +251,14 @@ def content_id(obj):
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def array_id(a):
+    """A short stable hash of an integer array's values (int64 little-endian): a manifest records it for the arrays
+    the next stage reads (token_freq.npy, d2t.npy), so an array edited or swapped since is found before it is used."""
+    import hashlib
+    import numpy as np
+    return hashlib.sha256(np.ascontiguousarray(a, dtype="<i8").tobytes()).hexdigest()[:16]
+
+
 MAX_JSON = 64 << 20  # bytes: a manifest or a config is pages, not a data file; parsing more is a wait without end
 
 

@@ -84,6 +84,10 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
             not np.array_equal(np.arange(k) + d2t, np.flatnonzero(t2d)):
         raise UsageError(f"--vocab-mapping {args.vocab_mapping}: d2t {list(d2t.shape)} / t2d {list(t2d.shape)} do not "
                          f"form a {k}-of-{v} mapping; rerun 03_build_vocab_mapping.py")
+    if "d2t_id" in voc and files.array_id(d2t) != voc["d2t_id"]:  # t2d is checked against d2t just above
+        raise UsageError(f"--vocab-mapping {args.vocab_mapping}: d2t.npy changed since stage 03 wrote it (content id "
+                         f"{files.array_id(d2t)}, its {files.MANIFEST} says {voc['d2t_id']}); rerun "
+                         f"03_build_vocab_mapping.py")
     rows = files.read_rows(args.prepared_data, prep["counts"]["rows"])
     if online_layer_ids:
         if rows.digest != prep["content_id"]:

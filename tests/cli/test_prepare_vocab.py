@@ -193,6 +193,7 @@ def _edited_copy(prepared, dst, manifest=None, freq=None):
     (dict(manifest=lambda m: m["verifier"].update(vocab_size=True)), ["manifest.json", "'vocab_size'", "bool"]),
     # another run's counts (here: twice this run's), and counts no stage 01 writes
     (dict(freq=lambda f: f * 2), ["token_freq.npy", "not this run's file", "rerun 01_prepare_dataset.py"]),
+    (dict(freq=lambda f: np.roll(f, 1)), ["token_freq.npy", "changed since stage 01 wrote it"]),  # the sum kept
     (dict(freq=lambda f: np.where(np.arange(f.size) == 7, -5000, f)), ["token_freq.npy", "negative counts",
                                                                           "token id 7"]),
 ])

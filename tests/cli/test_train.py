@@ -20,12 +20,18 @@ def test_cross_stage_refusals(stages, model_path, tmp_path):
     shutil.copytree(stages["vocab"], bad_vocab)
     import numpy as np
     np.save(bad_vocab / "d2t.npy", np.zeros(100, dtype=np.int64))
+    swapped = tmp_path / "vocab_swapped"  # another well-formed mapping of the same size put in place of stage 03's
+    shutil.copytree(stages["vocab"], swapped)
+    t2d = np.roll(np.load(swapped / "t2d.npy"), 1)
+    np.save(swapped / "t2d.npy", t2d)
+    np.save(swapped / "d2t.npy", (np.flatnonzero(t2d) - np.arange(int(t2d.sum()))).astype(np.int64))
     out = tmp_path / "out"
     cases = [
         (["--hidden-states", str(tmp_path / "none")], ["--hidden-states", "run 02_extract_hidden_states.py first"]),
         (["--prepared-data", str(other)], ["extracted from another stage 01 run", "rerun 02_extract_hidden_states.py"]),
         (["--hidden-states", str(bad_hs)], ["hs_3.safetensors", "truncated", "rerun 02_extract_hidden_states.py"]),
         (["--vocab-mapping", str(bad_vocab)], ["d2t [100]", "rerun 03_build_vocab_mapping.py"]),
+        (["--vocab-mapping", str(swapped)], ["d2t.npy changed since stage 03 wrote it", "rerun 03_build_vocab_mapping.py"]),
         (["--vocab-mapping", str(stages["prepared"])], ["is the output of stage 'prepare'"]),
         (["--total-seq-len", "100"], ["--total-seq-len 100", "longest row"]),
         (["--lr", "5"], ["--lr 5"]),
