@@ -10,6 +10,7 @@ import time
 
 from . import files, outdir
 from .errors import RunError, UsageError
+from .ledger import ledger_of
 
 log = logging.getLogger("eagle3")
 
@@ -132,6 +133,14 @@ def resume_state(out):
                 raise UsageError(f"--output-dir {out}: {outdir.quote(os.path.relpath(left[0], out))} is not what this "
                                  f"stage wrote (a link, or a file put there), and speculators would resume from the "
                                  f"folder that holds it: move it away and rerun")
+            led, rel = ledger_of(path)
+            gone = sorted(r for r, ident in led.entries.items() if r.startswith(rel + "/") and ident and
+                          ident[0] != "t" and not os.path.lexists(os.path.join(led.root, r)))
+            if gone:  # speculators would fail on it after the model and data loaded
+                raise UsageError(f"--output-dir {out}: {outdir.quote(os.path.relpath(os.path.join(led.root, gone[0]), out))}"
+                                 f" is gone (deleted since this stage wrote it), and speculators would resume from "
+                                 f"{outdir.quote(name)}: move {outdir.quote(name)} away (training resumes from the "
+                                 f"checkpoint before it, or starts over) and rerun")
     return said
 
 
