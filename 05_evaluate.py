@@ -19,8 +19,7 @@ without a draft, so equality is only meaningful one prompt at a time.
 """
 import os
 
-from eagle3pipe import cli, compute, conversations, files, outdir, verifier
-from eagle3pipe.evaluation import PREPARED_DEFAULT
+from eagle3pipe import cli, compute, conversations, files, heldout, outdir, verifier
 
 ENGINE_LOG = "engine.log"
 
@@ -33,7 +32,7 @@ def parse_args(argv=None):
                         "the same prompts, ranked by acceptance, and the best reported")
     p.add_argument("--prompts", default="sharegpt", help="'sharegpt' (held out after stage 01's range), a chat "
                    "file or folder, or a hub dataset")
-    p.add_argument("--prepared-data", default=PREPARED_DEFAULT,
+    p.add_argument("--prepared-data", default=heldout.PREPARED_DEFAULT,
                    help="stage 01 folder (how many records to skip); a path given that does not exist is refused")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--num-speculative-tokens", type=int, default=3)
@@ -74,10 +73,10 @@ def main():
         run = os.path.dirname(os.path.realpath(d)) if os.path.isfile(os.path.join(d, "config.json")) else d
         inputs.append(("--draft", run if os.path.lexists(os.path.join(run, files.MANIFEST)) else d))
     outdir.check("--output-dir", args.output_dir, "evaluate", inputs)
-    skip, unknown = evaluation.held_out_skip(args.prompts, args.prepared_data, drafts)  # never on training data
+    skip, unknown = heldout.held_out_skip(args.prompts, args.prepared_data, drafts)  # never on training data
     train_metrics, cut = evaluation.read_train_metrics(drafts[0][1])
     wheres = []
-    prompts = evaluation.select_prompts(args, skip, wheres)
+    prompts = heldout.select_prompts(args, skip, wheres)
     # the one check that needs the tokenizer (transformers), after every cheap one and before the folder is taken
     from eagle3pipe.masks import load_tokenizer, prompt_ids
     tok = load_tokenizer(args.model_path, args.trust_remote_code)

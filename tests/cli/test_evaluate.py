@@ -57,11 +57,11 @@ def test_refusals(model_path, stages, trained, tmp_path):
 
 def test_prompts_are_held_out(stages):
     import argparse
-    from eagle3pipe import conversations, evaluation
+    from eagle3pipe import conversations, heldout
     man = json.load(open(stages["prepared"] / "manifest.json"))
     skip = man["counts"]["records_read"]
     args = argparse.Namespace(prompts="sharegpt", num_prompts=5)
-    prompts = evaluation.select_prompts(args, skip)
+    prompts = heldout.select_prompts(args, skip)
     trained_firsts = set()
     for i, (where, rec) in enumerate(conversations.iter_records("sharegpt")):
         if i >= skip:
@@ -77,14 +77,14 @@ def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, 
     """Stage 01's records are skipped when --prompts names the same source, relative or absolute, from wherever each
     stage ran; the default stage 01 folder absent is a warning that says evaluation starts at the first record, a
     folder given that does not exist is refused."""
-    from eagle3pipe import evaluation
+    from eagle3pipe import heldout
     man = json.load(open(stages["prepared"] / "manifest.json"))
-    assert evaluation.held_out_skip("sharegpt", str(stages["prepared"])) == (man["counts"]["records_read"], None)
+    assert heldout.held_out_skip("sharegpt", str(stages["prepared"])) == (man["counts"]["records_read"], None)
     monkeypatch.chdir(tmp_path)  # no data/prepared here: the default folder absent is a warning
-    skip, warning = evaluation.held_out_skip("sharegpt", evaluation.PREPARED_DEFAULT)
+    skip, warning = heldout.held_out_skip("sharegpt", heldout.PREPARED_DEFAULT)
     assert skip == 0 and "evaluating from the first record" in warning
-    with pytest.raises(evaluation.UsageError, match=r"^--prepared-data \S+/prepraed: not found; give stage 01's"):
-        evaluation.held_out_skip("sharegpt", str(tmp_path / "prepraed"))  # a path given is a typo, not a default
+    with pytest.raises(heldout.UsageError, match=r"^--prepared-data \S+/prepraed: not found; give stage 01's"):
+        heldout.held_out_skip("sharegpt", str(tmp_path / "prepraed"))  # a path given is a typo, not a default
     data = tmp_path / "ds" / "chats.jsonl"
     data.parent.mkdir()
     data.write_text("")
@@ -94,9 +94,9 @@ def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, 
     m["args"]["dataset"], m["cwd"] = "ds/chats.jsonl", str(tmp_path)  # stage 01 ran in tmp_path with a relative path
     json.dump(m, open(prep / "manifest.json", "w"))
     monkeypatch.chdir(data.parent)
-    assert evaluation.held_out_skip("chats.jsonl", str(prep))[0] == m["counts"]["records_read"]
-    assert evaluation.held_out_skip(str(data), str(prep))[0] == m["counts"]["records_read"]
-    assert evaluation.held_out_skip("sharegpt", str(prep))[0] == 0  # another source: nothing of it was trained on
+    assert heldout.held_out_skip("chats.jsonl", str(prep))[0] == m["counts"]["records_read"]
+    assert heldout.held_out_skip(str(data), str(prep))[0] == m["counts"]["records_read"]
+    assert heldout.held_out_skip("sharegpt", str(prep))[0] == 0  # another source: nothing of it was trained on
     # stage 01 read the first 7 records of a folder (a.jsonl's 4, then 3 of b.jsonl's 5): --prompts naming one
     # file of it skips what was read of that file; a folder holding the dataset among other records is refused
     rec = json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n"
@@ -106,13 +106,13 @@ def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, 
     (folder / "sub" / "b.jsonl").write_text(rec * 5)
     m["args"]["dataset"], m["counts"]["records_read"] = str(folder), 7
     json.dump(m, open(prep / "manifest.json", "w"))
-    assert evaluation.held_out_skip(str(folder / "a.jsonl"), str(prep)) == (4, None)
-    assert evaluation.held_out_skip(str(folder / "sub" / "b.jsonl"), str(prep)) == (3, None)
-    assert evaluation.held_out_skip(str(folder / "sub"), str(prep)) == (3, None)
-    assert evaluation.held_out_skip(str(folder), str(prep)) == (7, None)
+    assert heldout.held_out_skip(str(folder / "a.jsonl"), str(prep)) == (4, None)
+    assert heldout.held_out_skip(str(folder / "sub" / "b.jsonl"), str(prep)) == (3, None)
+    assert heldout.held_out_skip(str(folder / "sub"), str(prep)) == (3, None)
+    assert heldout.held_out_skip(str(folder), str(prep)) == (7, None)
     from eagle3pipe.errors import UsageError
     with pytest.raises(UsageError, match="holds the dataset stage 01 trained on"):
-        evaluation.held_out_skip(str(tmp_path), str(prep))
+        heldout.held_out_skip(str(tmp_path), str(prep))
 
 
 def test_a_training_log_cut_short_is_named_not_fatal(trained, tmp_path):
@@ -190,13 +190,13 @@ def test_dry_run_checks_every_checkpoint_and_the_prompt_lengths_then_stops(model
 
 def test_a_prompt_is_the_first_user_turn_after_any_system_turn(tmp_path):
     import argparse
-    from eagle3pipe import evaluation
+    from eagle3pipe import heldout
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."},
                                              {"role": "assistant", "content": "Hello, how can I help?"},
                                              {"role": "user", "content": "Name a color."},
                                              {"role": "assistant", "content": "Blue."}]}) + "\n")
     wheres = []
-    got = evaluation.select_prompts(argparse.Namespace(prompts=str(data), num_prompts=5), 0, wheres)
+    got = heldout.select_prompts(argparse.Namespace(prompts=str(data), num_prompts=5), 0, wheres)
     assert got == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]]
     assert wheres == [f"{data}:1"]
