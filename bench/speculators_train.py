@@ -21,7 +21,8 @@ def main(argv):
     from speculators.train.config import TrainConfig
 
     from eagle3pipe import adapters
-    from eagle3pipe.training import DenseLog, make_trainer_class
+    from eagle3pipe.train_log import DenseLog
+    from eagle3pipe.training import make_trainer_class
 
     cfg = TrainConfig.resolve(argv)  # speculators' own flag parsing (exits 2 on a bad flag)
     flat = cfg.flatten()

@@ -3,8 +3,8 @@
 A parent-death signal (prctl PR_SET_PDEATHSIG) reaches only the children we start ourselves, is cleared across a
 fork, fires on the death of the thread that forked, and can be ignored or handled (vLLM's server, while it starts,
 survived SIGTERM). vLLM's `LLM` spawns its EngineCore and workers itself. So `start()` (called before a stage starts
-any engine: engine.make_llm, engine.Server.start) starts a tiny watchdog, this file run as a script with no import
-beyond the standard library, in its own session (a signal to the stage's group does not reach it), with no terminal,
+any engine: engine.make_llm, online_engine.Server.start) starts a tiny watchdog, this file run as a script with no
+import beyond the standard library, in its own session (a signal to the stage's group does not reach it), with no terminal,
 no working folder and none of the stage's files open (its lock included). It:
 - holds the read end of a pipe whose only write end the stage holds (closed in forked children): end of file, or a
   new parent, means the stage is gone, however it died (SIGKILL included);

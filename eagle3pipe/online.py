@@ -18,14 +18,14 @@ Disk: at most the cache budget, plus the files in flight (workers x prefetch x o
 Faults: a sample whose states come back non-finite (or fail twice) is skipped and listed in logs/skipped.jsonl; an
 engine that dies stops the run with one line (the checkpoints are kept, the same command resumes).
 
-Rooms: online_plan.py (the preflight), engine.py (the engine process), sample_cache.py (what the loaders read);
+Rooms: online_plan.py (the preflight), online_engine.py (the engine process), sample_cache.py (what the loaders read);
 here, `Session`, the one owner of an online run's lifecycle.
 """
 import logging
 import os
 import sys
 
-from . import engine, online_plan, outdir, sample_cache, train_data
+from . import online_engine, online_plan, outdir, sample_cache, train_data
 from .errors import resume_hint
 from .spool import clear_spool
 
@@ -48,7 +48,7 @@ class Session:
             if self.rank == 0:
                 log.info(online_plan.describe(p, args.backend))
                 self.spool = sample_cache.prepare(out, p)
-                self.server = engine.launch(args, p, out, self.rows[0][0][:16], self.spool)
+                self.server = online_engine.launch(args, p, out, self.rows[0][0][:16], self.spool)
                 self.server.watch(lambda why: stop_run(f"the extraction engine {why}", out))
                 train_data.build_bridge(self.rows, self.bridge, self.server.url)
             self.url = train_data.wait_for_bridge(self.bridge, timeout=args.engine_timeout + 600)

@@ -1,9 +1,9 @@
 """Stage 04's MFU line: the model FLOPs a trained token costs, counted from the draft's parameters, and the fraction
-of the device's dense peak the run reaches, in the dense log (eagle3pipe/training.py DenseLog, compute.py)."""
+of the device's dense peak the run reaches, in the dense log (eagle3pipe/train_log.py DenseLog, compute.py)."""
 import contextlib
 import logging
 
-from eagle3pipe import compute, training
+from eagle3pipe import compute, train_log
 
 H, I, DV = 64, 128, 256  # hidden, intermediate, draft vocabulary
 DRAFT = [("embed_tokens.weight", (1000, H), False),  # a lookup, not a matmul
@@ -73,7 +73,7 @@ def test_the_dense_line_carries_tflops_and_mfu_where_the_peak_is_known():
     import torch
     model = draft_module(torch.zeros)
     with logged() as seen:
-        dense = training.DenseLog(every=1, total_steps=2)
+        dense = train_log.DenseLog(every=1, total_steps=2)
         dense.count_flops(model, 3, "NVIDIA H200", "bfloat16")
         per = compute.draft_flops_per_token(DRAFT, 3)
         assert dense.flops_per_token == per and f"{per / 1e9:.3f} GFLOP a trained token" in seen.lines[-1]
@@ -83,7 +83,7 @@ def test_the_dense_line_carries_tflops_and_mfu_where_the_peak_is_known():
                                                   "profile": {"tokens_per_s": tokens_per_s, "fetch_frac": 0.02}}}))
         done = tokens_per_s * per
         assert f"1,000,000 tok/s {done / 1e12:.2f} TFLOP/s MFU {done / 989e12:.1%} data wait 2%" in seen.lines[-1]
-        cpu = training.DenseLog(every=1)
+        cpu = train_log.DenseLog(every=1)
         cpu.count_flops(model, 3, None, "float32")
         assert "no known peak for a CPU in float32: no MFU" in seen.lines[-1] and cpu.peak is None
         assert cpu.utilization(1e6) == f" {done / 1e12:.2f} TFLOP/s"
@@ -105,7 +105,7 @@ def test_tok_s_and_data_wait_are_read_on_the_loaders_clock():
 
     with logged() as seen:
         for loader_pause, step_pause, waiting in ((0.05, 0.0, True), (0.0, 0.05, False)):
-            dense, guard = training.DenseLog(every=1), BatchGuard(batches(4, loader_pause))
+            dense, guard = train_log.DenseLog(every=1), BatchGuard(batches(4, loader_pause))
             dense.clock = guard.clock
             for step, _ in enumerate(guard):
                 time.sleep(step_pause)  # the training step
@@ -142,11 +142,11 @@ def test_muons_newton_schulz_flops_are_what_torchs_muon_computes_on_speculators_
     assert expected > 0 and counter.get_total_flops() == expected, (counter.get_total_flops(), expected)
     assert compute.muon_flops_per_step(DRAFT, 3) * 5 == expected * 3
     with logged() as seen:
-        training.DenseLog(every=1).count_flops(model, 3, "NVIDIA H200", "bfloat16", "muon", 1000, 5)
+        train_log.DenseLog(every=1).count_flops(model, 3, "NVIDIA H200", "bfloat16", "muon", 1000, 5)
         share = expected / (expected + 1000 * compute.draft_flops_per_token(DRAFT, 3))
         assert f"{expected / 1e12:.2f} TFLOP a step (5 iterations)" in seen.lines[-1]
         assert f"{share:.0%} of a step's FLOPs, outside MFU" in seen.lines[-1]
-        training.DenseLog(every=1).count_flops(model, 3, "NVIDIA H200", "bfloat16", "adamw", 1000, 5)
+        train_log.DenseLog(every=1).count_flops(model, 3, "NVIDIA H200", "bfloat16", "adamw", 1000, 5)
         assert "optimizer:" not in seen.lines[-1]
 
 
