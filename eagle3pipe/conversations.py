@@ -212,7 +212,7 @@ def dataset_files(folder, flag="--dataset"):
 def check_dataset(dataset, flag="--dataset"):
     """Fail fast, before anything heavy is imported, on a dataset flag that cannot be a source: a missing path,
     a file of another type, a folder holding anything but data files, a hub id when the hub cannot be used."""
-    from .verifier import HUB_ID, require_hub
+    from .hub import HUB_ID, require_hub
     if dataset == SHAREGPT:
         sharegpt_file(flag)
     elif os.path.isdir(dataset):

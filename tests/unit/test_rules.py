@@ -258,13 +258,13 @@ def test_inputs_must_be_regular_files_and_npy_headers_match_their_size(tmp_path)
 def test_the_hub_probe_has_a_deadline_for_an_endpoint_that_never_answers(monkeypatch):
     import socket
     import time
-    from eagle3pipe import verifier
+    from eagle3pipe import hub
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # accepts connections, never answers
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
     t0 = time.time()
-    assert verifier.hub_reachable(timeout=1.0) is False
+    assert hub.hub_reachable(timeout=1.0) is False
     assert time.time() - t0 < 2
     silent.close()
 
