@@ -19,6 +19,7 @@ The output folder must be new, empty or an earlier stage 01 output: only this st
 """
 import collections
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -50,9 +51,10 @@ def parse_args(argv=None):
 def read_conversations(args, log):
     """The selected records, validated before the tokenizer loads: a bad record fails in seconds."""
     info, records, skipped, n = {}, [], collections.Counter(), 0
-    for where, rec in conversations.iter_records(args.dataset, args.split, info):
-        if args.num_samples is not None and n >= args.num_samples:
-            break
+    source = conversations.iter_records(args.dataset, args.split, info)
+    if args.num_samples is not None:  # never read record N+1: a bad record past the selection is not ours to judge
+        source = itertools.islice(source, args.num_samples)
+    for where, rec in source:
         rid, messages = conversations.normalize(where, rec)
         n += 1
         if not messages:
@@ -83,7 +85,7 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
     from eagle3pipe.progress import Progress
     counts = collections.Counter()
     freq = np.zeros(vocab, dtype=np.int64)
-    rows, first_template_error = [], None
+    rows, first_template_error, turns = [], None, 0
     bar = Progress(len(records), "prepare", "conversations")
     for rid, messages in records:
         bar.update(1)
@@ -97,8 +99,10 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
             continue
         counts["unaligned_turns"] += meta["unaligned"]
         counts["truncated"] += meta["truncated"]
+        turns += sum(m["role"] == "assistant" for m in messages)
         if not any(mask):
-            skipped["nothing_trainable" if not meta["truncated"] else "nothing_trainable_after_truncation"] += 1
+            skipped["nothing_trainable_after_truncation" if meta["truncated"] else
+                    "unaligned" if meta["unaligned"] else "nothing_trainable"] += 1
             continue
         if max(ids) >= vocab:
             raise cli.UsageError(f"record {rid}: token id {max(ids)} >= the verifier's vocab size {vocab}; "
@@ -113,6 +117,12 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
                              f"chat_template.jinja)")
     if first_template_error:
         log.warning(f"the chat template refused {skipped['template_error']} conversations, e.g. {first_template_error}")
+    if counts["unaligned_turns"]:  # the template's doing, not the data's: say it whatever the share
+        what = (f"--model-path {args.model_path}: its chat template renders {counts['unaligned_turns']:,} of "
+                f"{turns:,} assistant turns where no render up to them puts them (it moves or drops earlier text)")
+        if not rows:
+            raise cli.UsageError(f"{what}; no conversation has a turn left to train (docs/STAGES.md, stage 01)")
+        log.warning(f"{what}: those turns are left untrained (counted as unaligned_turns in the manifest)")
     if not rows:
         raise cli.UsageError(f"--dataset {args.dataset}: no trainable conversation among {n_read} records "
                              f"(skipped: {dict(skipped)})")

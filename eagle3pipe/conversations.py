@@ -80,7 +80,7 @@ def _iter_jsonl(path):
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = json.loads(line.rstrip("\r\n"))  # a line cut short is named at its end, not at column 1
             except json.JSONDecodeError as e:
                 raise UsageError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})")
             except RecursionError:  # json.loads recurses once per '[' or '{'
@@ -279,7 +279,8 @@ def normalize(where, record):
     """One record -> (id or None, [{"role", "content"}]). Raises UsageError on malformed records."""
     if not isinstance(record, dict):
         raise UsageError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if "conversations" in record:
+    # a null field is an absent one: Arrow (parquet, hub datasets) fills the other format's column with null
+    if record.get("conversations") is not None or ("conversations" in record and record.get("messages") is None):
         turns, rkey, ckey = record["conversations"], "from", "value"
     elif "messages" in record:
         turns, rkey, ckey = record["messages"], "role", "content"
@@ -302,10 +303,14 @@ def normalize(where, record):
             raise UsageError(f"{where}: message {j} has unknown role '{role}' "
                              f"(known: {', '.join(sorted(ROLES))})")
         content = t.get(ckey, t.get("content", t.get("value")))  # the other format's key too, as for the role
-        if content is None and t.get("tool_calls"):
-            raise UsageError(f"{where}: message {j} is a tool call ('tool_calls', no text content); tool calls are "
-                             f"not supported: leave such records out")
-        messages.append({"role": ROLES[role.lower()], "content": _content(content, where, j)})
+        if t.get("tool_calls") or t.get("function_call"):  # whatever its text: dropping the call would train
+            # the draft on an answer that ends where the verifier calls a tool
+            raise UsageError(f"{where}: message {j} is a tool call ('tool_calls'); tool calls are not supported: "
+                             f"leave such records out")
+        message = {"role": ROLES[role.lower()], "content": _content(content, where, j)}
+        if isinstance(t.get("reasoning_content"), str):  # reasoning templates render it (Qwen3, DeepSeek-R1, Kimi)
+            message["reasoning_content"] = _text(t["reasoning_content"], where, f"message {j} reasoning_content")
+        messages.append(message)
     rid = record.get("id", record.get("conversation_id"))
     if isinstance(rid, str):
         rid = _text(rid, where, "'id'")

@@ -4,11 +4,16 @@ For each assistant turn i the verifier's own template renders
     p = messages[:i] + generation prompt        (what the model sees before it starts answering)
     q = messages[:i+1]                          (the same, with the answer and the end-of-turn)
 and the text between len(p) and len(q) is the assistant's: content plus the template's end-of-turn tokens.
-Both must be prefixes of the full render; a turn whose renders are not (templates that rewrite history,
-e.g. dropping earlier reasoning) is left untrained and counted, never guessed.
+p must be a prefix of the full render, and so must q. Where q is not (a template that closes every render with
+extra text, as Phi-3's end-of-text, or renders the last answer otherwise than an earlier one, as Qwen3's empty
+thinking block), the answer's end is found where the full render has it: its content's end (a marked copy of the
+answer, rendered as an earlier turn) plus the end-of-turn the two renders share. Where p is not (a generation
+prompt opening the answer with text, as DeepSeek-R1's "<think>"), the answer starts where p and the full render
+part, provided the conversation before it is the full render's. A turn still not found (a template that moves
+earlier text, or drops earlier answers) is left untrained and counted, never guessed.
 
-The full text is tokenized segment by segment (context | answer | context | answer ...), so every mask
-boundary is a token boundary and an answer is tokenized on its own, as the verifier would have generated it.
+The full text is tokenized whole, as the verifier's engine tokenizes it; a token is trained when it lies inside an
+answer's span.
 """
 import os
 
@@ -91,6 +96,59 @@ def prompt_ids(tok, messages):
                      return_dict=True)["input_ids"]
 
 
+MARK = "\u2063"  # appended to an answer to find where its text ends in a render: no template trims or parses it
+
+
+def _common(a, b):
+    return len(os.path.commonprefix([a, b]))
+
+
+def _shared_head(tok, a, b):
+    """The length of the longest common beginning of `a` and `b` that ends at a token boundary of `a` (where a
+    marker follows: characters alone would run on into its first ones, "<" of "<|user|>" and of "<|endoftext|>")."""
+    n = _common(a, b)
+    ta = _offsets(tok, a[: n + 256]) if n else None  # a token past n + 256 cannot end before n
+    return n if ta is None else max((e for _, e in ta[1] if e <= n), default=0)
+
+
+def _answer_start(tok, messages, i, full):
+    """Where assistant turn i's text starts in `full` (characters), or None when what the verifier answers from is
+    not what `full` holds before it (a template that moves earlier text, e.g. a system prompt onto the last turn)."""
+    if not i:  # no prompt to render: the answer starts where the renders of two different answers part
+        a, b = (render(tok, [{"role": "assistant", "content": x}], False) for x in "AB")
+        k = _common(a, b)
+        return k if full.startswith(a[:k]) else None
+    p = render(tok, messages[:i], True)
+    if full.startswith(p):
+        return len(p)
+    # a generation prompt that opens the answer with text its rendered answer lacks (DeepSeek-R1's "<think>\n"): the
+    # conversation so far must still be full's; the answer starts where p and full part
+    k = _common(render(tok, messages[:i], False), p)
+    return _common(p, full) if full.startswith(p[:k]) else None  # a token across it is context: never trained
+
+
+def _answer_end(tok, messages, i, full, start):
+    """Where assistant turn i's text (its content and the template's end-of-turn) ends in `full`, or None."""
+    q = render(tok, messages[: i + 1], False)
+    if full.startswith(q):
+        return len(q)
+    # the turn ends otherwise as the last of a render than as an earlier one: a template that closes a render with
+    # extra text (Phi-3's end-of-text), or renders the last answer otherwise (Qwen3's empty thinking block). Find the
+    # content's end in both renders with a marked copy of the answer; the end-of-turn is what follows it in both.
+    marked = messages[:i] + [dict(messages[i], content=messages[i]["content"] + MARK)]
+    after = [{"role": "user", "content": "A"}]
+    try:
+        h, h2 = render(tok, messages[: i + 1] + after, False), render(tok, marked + after, False)
+        q2 = render(tok, marked, False)
+    except TemplateError:
+        return None
+    c, cq = _common(h, h2), _common(q, q2)
+    if c >= min(len(h), len(h2)) or cq >= min(len(q), len(q2)):
+        return None  # the template does not render this answer
+    end = c + _shared_head(tok, q[cq:], h[c:])
+    return end if end > start and full.startswith(h[:end]) else None
+
+
 def assistant_spans(tok, messages):
     """(full text, [(start, end) character spans of trained assistant text], number of unaligned turns)."""
     full = render(tok, messages, False)
@@ -98,39 +156,58 @@ def assistant_spans(tok, messages):
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        q = render(tok, messages[: i + 1], False)
-        if i:
-            p = render(tok, messages[:i], True)
-        else:  # a conversation opening with the assistant has no prompt to render: its answer starts where
-            # the render of an empty answer stops agreeing with q (after any injected system prompt)
-            e = render(tok, [{"role": "assistant", "content": ""}], False)
-            p = q[: len(os.path.commonprefix([e, q]))]
-        if q.startswith(p) and full.startswith(q) and len(p) >= pos and len(q) > len(p):
-            spans.append((len(p), len(q)))
-            pos = len(q)
-        else:
+        start = _answer_start(tok, messages, i, full)
+        end = _answer_end(tok, messages, i, full, start) if start is not None and start >= pos else None
+        if end is None:
             unaligned += 1
+            continue
+        spans.append((start, end))
+        pos = end
     return full, spans, unaligned
 
 
+def _offsets(tok, text):
+    """(ids, [(start, end) characters of each token]) of `text` tokenized whole, or None where the tokenizer keeps
+    no offsets (a Python tokenizer, a custom one)."""
+    try:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    except (NotImplementedError, TypeError, ValueError, KeyError):
+        return None
+    return (ids, offsets) if len(ids) == len(offsets) else None
+
+
 def tokenize_conversation(tok, messages, max_seq_len):
-    """-> (input_ids, loss_mask, info). Truncated to max_seq_len; info has 'unaligned' and 'truncated'."""
+    """-> (input_ids, loss_mask, info). Truncated to max_seq_len; info has 'unaligned' and 'truncated'.
+
+    The whole render is tokenized at once, as the verifier's engine tokenizes a prompt, and a token is trained when
+    it lies wholly inside an answer's span (one that straddles a boundary is context). Segment by segment would give
+    each segment a tokenizer's start-of-text treatment: SentencePiece-style tokenizers (Llama-2, Mistral) prepend a
+    space to each, tokens the verifier never generates. A tokenizer without offsets is tokenized by segment."""
     full, spans, unaligned = assistant_spans(tok, messages)
-    ids, mask, pos = [], [], 0
-    pieces = []
-    for start, end in spans:
-        pieces += [(full[pos:start], 0), (full[start:end], 1)]
-        pos = end
-    pieces.append((full[pos:], 0))
-    for text, m in pieces:
-        if not text:
-            continue
-        # add_special_tokens=False: the template already wrote BOS and friends into the text
-        # (transformers' apply_chat_template(tokenize=True) does the same).
-        t = tok(text, add_special_tokens=False)["input_ids"]
-        ids += t
-        mask += [m] * len(t)
-        if len(ids) > max_seq_len:
-            break  # the rest would be cut anyway
+    whole = _offsets(tok, full)
+    ids, mask = [], []
+    if whole is not None:
+        ids, k = whole[0], 0
+        for a, b in whole[1]:  # offsets ascend: one pass over the spans
+            while k < len(spans) and spans[k][1] <= a:
+                k += 1
+            mask.append(int(k < len(spans) and spans[k][0] <= a and b <= spans[k][1]))
+    else:
+        pieces, pos = [], 0
+        for start, end in spans:
+            pieces += [(full[pos:start], 0), (full[start:end], 1)]
+            pos = end
+        pieces.append((full[pos:], 0))
+        for text, m in pieces:
+            if not text:
+                continue
+            # add_special_tokens=False: the template already wrote BOS and friends into the text
+            # (transformers' apply_chat_template(tokenize=True) does the same).
+            t = tok(text, add_special_tokens=False)["input_ids"]
+            ids += t
+            mask += [m] * len(t)
+            if len(ids) > max_seq_len:
+                break  # the rest would be cut anyway
     info = {"unaligned": unaligned, "truncated": len(ids) > max_seq_len}
     return ids[:max_seq_len], mask[:max_seq_len], info

@@ -99,7 +99,8 @@ def run(records, tok, args, out):
         # an assistant turn that opens the conversation answers nothing: the verifier would never say it
         k = next((m for m, x in enumerate(msgs) if x["role"] != "assistant"), len(msgs))
         lead += k
-        convs.append([dict(m) for m in msgs[k:]])
+        # the verifier writes its own reasoning into the answers it regenerates: the data's would sit beside it
+        convs.append([{key: v for key, v in m.items() if key != "reasoning_content"} for m in msgs[k:]])
     ids = [rid for rid, _ in records]
     cut = {}  # conversation -> index of the first message dropped (its prompt reached --max-seq-len)
     counts = {"turns_regenerated": 0, "turns_from_cache": 0, "conversations_cut": 0, "opening_turns_dropped": lead}

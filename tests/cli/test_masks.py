@@ -1,5 +1,7 @@
 """Loss masks by render boundaries, on the real SmolLM2 tokenizer (ChatML with an injected default system
-prompt) and on Llama-3, Qwen-2.5 and Mistral template families kept as fixtures."""
+prompt) and on Llama-3, Qwen-2.5 and Mistral template families kept as fixtures; templates that close a render with
+extra text (Phi-3), render the last answer otherwise (Qwen3), open the answer in the generation prompt
+(DeepSeek-R1); and a SentencePiece-style tokenizer (Llama-2, Mistral v0.x), built here with `tokenizers`."""
 import copy
 import os
 
@@ -104,3 +106,100 @@ def test_truncation(tokenizer):
     assert len(ids) == len(mask) == 40 and info["truncated"]
     full_ids, full_mask, _ = masks.tokenize_conversation(tokenizer, CONV, 4096)
     assert ids == full_ids[:40] and mask == full_mask[:40]
+
+
+PHI3 = ("{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content + '<|end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}")
+# Qwen3's rule: an answer after the last user turn opens with a thinking block, empty when there is none; earlier
+# answers are rendered without one
+QWEN3 = ("{% for m in messages %}{% if m.role == 'assistant' and loop.last %}"
+         "{{ '<|im_start|>assistant\\n<think>\\n' + (m.reasoning_content or '') + '\\n</think>\\n\\n' + m.content + "
+         "'<|im_end|>\\n' }}{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}"
+         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+R1 = ("{% for m in messages %}{% if m.role == 'user' %}{{ '<｜User｜>' + m.content }}{% else %}"
+      "{{ '<｜Assistant｜>' + m.content + '<｜end▁of▁sentence｜>' }}{% endif %}{% endfor %}"
+      "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}")
+
+
+def templated(tok, template, specials):
+    t = copy.deepcopy(tok)
+    t.add_special_tokens({"additional_special_tokens": specials})
+    t.chat_template = template
+    return t
+
+
+def test_a_template_that_closes_every_render_trains_every_turn(tokenizer):
+    """Phi-3 ends a render without a generation prompt with its end-of-text: no earlier turn's render was a prefix of
+    the whole, and every turn but the last was left untrained, without a word."""
+    tok = templated(tokenizer, PHI3, ["<|user|>", "<|assistant|>", "<|end|>"])
+    ids, mask, info = masks.tokenize_conversation(tok, CONV, 4096)
+    assert masked_spans(tok, ids, mask) == ["I am a helpful assistant.<|end|>\n",
+                                            "2+2 equals 4.<|end|>\n" + tok.eos_token]
+    assert info["unaligned"] == 0
+
+
+def test_a_last_answer_rendered_otherwise_than_earlier_ones_trains_every_turn(tokenizer):
+    """Qwen3: the earlier answer is trained as the whole conversation renders it, the last one with its block."""
+    tok = templated(tokenizer, QWEN3, ["<think>", "</think>"])
+    ids, mask, info = masks.tokenize_conversation(tok, CONV, 4096)
+    assert masked_spans(tok, ids, mask) == ["I am a helpful assistant.<|im_end|>\n",
+                                            "<think>\n\n</think>\n\n2+2 equals 4.<|im_end|>\n"]
+    assert info["unaligned"] == 0
+    conv = CONV[:3] + [dict(CONV[3], reasoning_content="Add them.")]
+    ids, mask, _ = masks.tokenize_conversation(tok, conv, 4096)
+    assert masked_spans(tok, ids, mask)[1] == "<think>\nAdd them.\n</think>\n\n2+2 equals 4.<|im_end|>\n"
+
+
+def test_a_generation_prompt_that_opens_the_answer(tokenizer):
+    """DeepSeek-R1 prompts with "<think>\\n" that its rendered answer lacks: every turn was dropped and the data
+    blamed. The answer is trained from where the prompt and the render part."""
+    tok = templated(tokenizer, R1, ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>"])
+    ids, mask, info = masks.tokenize_conversation(tok, CONV, 4096)
+    assert masked_spans(tok, ids, mask) == ["I am a helpful assistant.<｜end▁of▁sentence｜>",
+                                            "2+2 equals 4.<｜end▁of▁sentence｜>"]
+    assert info["unaligned"] == 0
+
+
+def test_an_opening_answer_keeps_its_first_characters(tokenizer):
+    # the render of an empty answer agreed with "<b>" up to its "<" (of "<|im_end|>"): the "<" was context
+    conv = [{"role": "assistant", "content": "<b>Welcome</b>"}] + CONV[:2]
+    ids, mask, _ = masks.tokenize_conversation(tokenizer, conv, 4096)
+    assert masked_spans(tokenizer, ids, mask) == ["<b>Welcome</b><|im_end|>\n", "I am a helpful assistant.<|im_end|>\n"]
+
+
+def test_a_template_that_moves_earlier_text_leaves_those_turns_untrained(tokenizer):
+    """Mistral v0.3 puts the system prompt on the last user turn only: an earlier answer's context is not the whole
+    render's, and no span is guessed."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% set sys = messages[0].content if messages[0].role == 'system' else '' %}"
+                         "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}"
+                         "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+                         "{% for m in messages %}{% if m.role == 'user' %}{{ '[INST] ' + (sys + '\\n\\n' if loop.index0"
+                         " == ns.last and sys else '') + m.content + '[/INST]' }}{% elif m.role == 'assistant' %}"
+                         "{{ m.content + eos_token }}{% endif %}{% endfor %}")
+    ids, mask, info = masks.tokenize_conversation(tok, [{"role": "system", "content": "Be brief."}] + CONV, 4096)
+    assert info["unaligned"] == 1
+    assert masked_spans(tok, ids, mask) == ["2+2 equals 4." + tok.eos_token]
+
+
+def test_a_sentencepiece_tokenizer_gets_the_render_s_own_tokens(tokenizer):
+    """A SentencePiece-style tokenizer marks the start of each text it is given with a space: tokenized segment by
+    segment, every answer began with a space token the verifier never generates ("▁Paris" for "Paris")."""
+    import string
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    sp = Tokenizer(models.BPE(unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    sp.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    text = [m["content"] for m in CONV] + ["Paris is the capital.", "<|user|>\nhi\n<|assistant|>\nParis"]
+    sp.train_from_iterator(text * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                           initial_alphabet=list(string.printable) + ["▁"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+    tok.chat_template = ("{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content + eos_token + '\\n' }}"
+                         "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+    ids, mask, info = masks.tokenize_conversation(tok, CONV, 4096)
+    full = tok.apply_chat_template(CONV, tokenize=False)
+    assert ids == tok(full, add_special_tokens=False)["input_ids"]  # the render's tokens, as an engine makes them
+    assert [tok.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m][0] != "▁I"
+    assert masked_spans(tok, ids, mask) == ["I am a helpful assistant.</s>\n", "2+2 equals 4.</s>\n"]

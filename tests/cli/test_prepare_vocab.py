@@ -232,3 +232,35 @@ def test_refusals_that_need_the_template_leave_no_folder_and_blame_the_right_inp
                          "--output-dir", str(tmp_path / "out"))
     assert p.returncode == 2 and "no trainable conversation" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_turns_the_template_does_not_place_are_said_and_a_selection_reads_nothing_past_it(tmp_path, model_path):
+    """A template that drops earlier answers: the turns left untrained were only a count in the manifest, and when
+    none was left the data was blamed. And --num-samples N read record N+1: a broken record outside the selection
+    stopped the run."""
+    import shutil
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in os.listdir(model_path):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_path, name), model / name)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.role != 'assistant' or loop.last %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    two = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                        {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]}
+    data = bad(tmp_path, "d.jsonl", json.dumps(two) + '\n{"messages": [\n')
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", str(model), "--dataset", data, "--num-samples", "1",
+                      "--output-dir", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"WARNING --model-path {model}: its chat template renders 1 of 2 assistant turns where no render up to " \
+           f"them puts them" in p.stderr and "left untrained" in p.stderr, p.stderr[-2000:]
+    counts = json.load(open(tmp_path / "out" / "manifest.json"))["counts"]
+    assert counts["unaligned_turns"] == 1 and counts["records_read"] == 1
+    one = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                        {"role": "user", "content": "q2"}]}  # its only answer is an earlier turn: never placed
+    p, secs = run_script("01_prepare_dataset.py", "--model-path", str(model), "--dataset",
+                         bad(tmp_path, "e.jsonl", json.dumps(one) + "\n"), "--output-dir", str(tmp_path / "out2"))
+    assert p.returncode == 2 and f"error: --model-path {model}: its chat template renders 1 of 1 assistant turns" \
+        in p.stderr and "no conversation has a turn left to train" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "out2").exists()

@@ -31,11 +31,32 @@ def test_each_format_takes_the_other_s_keys_and_openai_s_developer_role():
     assert msgs == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
 
 
+def test_a_null_field_is_an_absent_one_and_reasoning_is_kept():
+    # Arrow fills the other format's column with null: the record was skipped as empty
+    _, msgs = conv.normalize("r", {"conversations": None, "messages": [{"role": "user", "content": "q"},
+                                                                      {"role": "assistant", "content": "a"}]})
+    assert msgs == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    _, msgs = conv.normalize("r", {"conversations": [{"from": "human", "value": "q"}], "messages": None})
+    assert msgs == [{"role": "user", "content": "q"}]
+    assert conv.normalize("r", {"conversations": None, "messages": None})[1] == []
+    # a reasoning template renders it: dropping it trained an empty thinking block
+    _, msgs = conv.normalize("r", {"messages": [{"role": "user", "content": "q"},
+                                                {"role": "assistant", "content": "A", "reasoning_content": "think"}]})
+    assert msgs[1] == {"role": "assistant", "content": "A", "reasoning_content": "think"}
+
+
 @pytest.mark.parametrize("record,match", [
     ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown role 'alien'"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None,
                                                       "tool_calls": [{"id": "1", "type": "function"}]}]},
-     r"message 1 is a tool call \('tool_calls', no text content\); tool calls are not supported"),
+     r"message 1 is a tool call \('tool_calls'\); tool calls are not supported"),
+    # with empty or any text beside the call: dropping the call trained an answer that ends where the verifier calls
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
+                                                      "tool_calls": [{"id": "1", "type": "function"}]}]},
+     r"message 1 is a tool call"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Let me look.",
+                                                      "tool_calls": [{"id": "1", "type": "function"}]}]},
+     r"message 1 is a tool call"),
     ({"conversations": "hello"}, "must be a list"),
     ({"conversations": [{"from": "human", "value": 3}]}, "content must be a string"),
     ({"text": "hi"}, "no 'conversations'"),
@@ -52,6 +73,9 @@ def test_jsonl_errors_name_the_line(tmp_path):
     p.write_text(json.dumps({"messages": []}) + "\n{broken\n")
     with pytest.raises(UsageError, match=r"d.jsonl:2: malformed JSON"):
         list(conv.iter_records(str(p)))
+    p.write_text(json.dumps({"messages": []}) + '\n{"id": "cut", "messages": [\n')
+    with pytest.raises(UsageError, match=r"d.jsonl:2: malformed JSON \(Expecting value at column 28\)"):
+        list(conv.iter_records(str(p)))  # where the line stops, not column 1 of its newline
     p.write_bytes(b'{"messages": []}\n\xff\xfe\n')
     with pytest.raises(UsageError, match=r"d.jsonl:2: not UTF-8"):
         list(conv.iter_records(str(p)))
