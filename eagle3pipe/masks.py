@@ -130,7 +130,7 @@ def _answer_start(tok, messages, i, full):
 def _answer_end(tok, messages, i, full, start):
     """Where assistant turn i's text (its content and the template's end-of-turn) ends in `full`, or None."""
     q = render(tok, messages[: i + 1], False)
-    if full.startswith(q):
+    if full.startswith(q) and len(q) > start:
         return len(q)
     # the turn ends otherwise as the last of a render than as an earlier one: a template that closes a render with
     # extra text (Phi-3's end-of-text), or renders the last answer otherwise (Qwen3's empty thinking block). Find the
