@@ -19,7 +19,7 @@ without a draft, so equality is only meaningful one prompt at a time.
 """
 import os
 
-from eagle3pipe import cli, compute, conversations, files, heldout, outdir, verifier
+from eagle3pipe import cli, compute, conversations, files, heldout, outdir, verifier, vllm_support
 
 ENGINE_LOG = "engine.log"
 
@@ -57,6 +57,9 @@ def main():
     log = cli.setup_logging()
     from eagle3pipe import draft_check, engine, evaluation
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
+    unserved = vllm_support.eagle3_refusal(fp.get("architecture"))
+    if unserved:  # the baseline engine ran first, then the speculative one died as it started
+        raise cli.UsageError(f"--model-path {args.model_path}: {unserved}")
     verifier.check_chat_files(args.model_path)
     gpus = compute.visible_gpus()
     draft_check.check_run(args, fp, tc, gpus)  # the flags against the verifier's positions and the GPUs

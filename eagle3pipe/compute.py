@@ -236,13 +236,14 @@ def vllm_kernel_here(quant, on_gpu):
     return vllm_kernel(quant, on_gpu, has_amx())
 
 
-def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader, quant=None):
+def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader, quant=None, architecture=None):
     """The extraction engine's rules, the same for stage 02 and stage 04 --online, before anything loads: our CPU
     connector adapts vLLM's (its private names must be in the installed vLLM), tensor parallel divides the heads
     (the KV heads may also be fewer than TP and divide it: vLLM replicates them), and vLLM on a GPU does not compute
     in float32 (its connector stores the states in the compute dtype; `reader` reads bf16). `tp_words`: how the
     operator chose TP, for the error line; `kind`: engines.kind(--backend). `quant` (quantization.read): a quantized
-    verifier an engine that keeps it packed has no kernel for here is refused, naming why."""
+    verifier an engine that keeps it packed has no kernel for here is refused, naming why; so is an `architecture`
+    (config.json's) the installed vLLM hands no auxiliary states out for (vllm_support.py)."""
     if quant and kind.keeps_quantized:
         ok, why = vllm_kernel_here(quant, bool(gpus))
         if not ok:
@@ -251,6 +252,10 @@ def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader, quant=None):
                              f"or a GPU machine")
     if not kind.connector:
         return
+    from .vllm_support import eagle3_refusal
+    why = eagle3_refusal(architecture)
+    if why:
+        raise UsageError(f"--backend {kind.name}: {why}; use --backend hf (transformers)")
     if not gpus:
         from .adapters import check_private
         check_private("vllm")

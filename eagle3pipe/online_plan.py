@@ -142,7 +142,7 @@ def plan(s, fp, text_cfg, longest, layer_ids):
     kind = engines.kind(s.backend)
     quant = quantization.read(s.model_path)
     compute.check_engine(kind, tp, f"--engine-gpus: {tp} GPUs as tensor parallel", text_cfg, gpus, dtype.dtype,
-                         "the trainer reads bf16", quant)
+                         "the trainer reads bf16", quant, fp.get("architecture"))
     stored = quant.dequantized_bytes if quant and not kind.keeps_quantized else weights_bytes(s.model_path)
     memory = check_engine(s, text_cfg, compute.loaded_weights_bytes(stored, fp.get("torch_dtype"), dtype.dtype), gpus,
                           engine_gpus, shared)

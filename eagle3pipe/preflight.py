@@ -189,7 +189,7 @@ def plan(args):
     kind = engines.kind(args.backend)
     quant = quantization.read(args.model_path)
     compute.check_engine(kind, args.tp_size, f"--tp-size {args.tp_size}", fp, gpus, dtype.dtype,
-                         "stage 02's files are bf16", quant)
+                         "stage 02's files are bf16", quant, fp.get("architecture"))
     if kind.tensor_parallel:
         if gpus and args.tp_size > len(gpus):
             raise UsageError(f"--tp-size {args.tp_size}: only {len(gpus)} GPU(s) visible "

@@ -284,8 +284,12 @@ def plan(s, rank):
     fp, tc = verifier.open_verifier(s.model_path, s.trust_remote_code)
     adapters.check_private("speculators")  # the private names adapters.py relies on, before torch loads
     recipe = training.recipe(s, fp, tc)
-    training.check_draft_arch(recipe, tc)
+    training.check_draft_arch(recipe, tc, s.model_path)
     adapters.check_serves(recipe)  # an option the installed vLLM cannot serve: refused now, not after training
+    from .vllm_support import eagle3_refusal
+    unserved = eagle3_refusal(fp.get("architecture"))
+    if unserved and rank == 0:  # another vLLM may have it: said before training, not after
+        log.warning(f"{unserved}; the draft trains, but stage 05 and vLLM here will refuse it")
     verifier.check_draft_sources(s.model_path, tied=tc.get("tie_word_embeddings") is not False)
     inputs = [("--model-path", s.model_path), ("--prepared-data", s.prepared_data),
               ("--vocab-mapping", s.vocab_mapping)] + ([] if s.online else [("--hidden-states", s.hidden_states)])

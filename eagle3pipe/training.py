@@ -46,9 +46,31 @@ def recipe(args, fp, text_cfg):
             "optimizer": args.optimizer, "scheduler_type": args.scheduler}
 
 
-def check_draft_arch(recipe_, text_cfg):
-    """--draft-arch deepseek needs an MLA verifier whose rope transformers and vLLM compute alike (mla_draft)."""
+def rope_misfit(text_cfg):
+    """Why speculators cannot build a Llama-style draft's rope from the verifier's, or None. It gives the draft the
+    verifier's rope settings over the whole head, without partial_rotary_factor: per-dimension factor lists sized for
+    a partial rotary (Phi-4-mini's longrope: 12 for 16) failed inside speculators after the data was read."""
+    rope = text_cfg.get("rope_parameters") or text_cfg.get("rope_scaling")
+    if not isinstance(rope, dict) or "mrope_section" in rope:  # speculators keeps partial rotary for MRoPE
+        return None
+    heads = text_cfg.get("num_attention_heads")
+    head = text_cfg.get("head_dim") or (text_cfg.get("hidden_size", 0) // heads if heads else 0)
+    for key, value in sorted(rope.items()):
+        if isinstance(value, list) and key.endswith("_factor") and head and len(value) != head // 2:
+            factor = rope.get("partial_rotary_factor", text_cfg.get("partial_rotary_factor", 1.0))
+            return (f"its rope ({rope.get('rope_type', rope.get('type'))}) has {len(value)} {key} entries (a rotary "
+                    f"part of {factor} of its {head}-wide heads), and speculators builds a draft's rope over the "
+                    f"whole head ({head // 2} entries a list, partial_rotary_factor dropped)")
+    return None
+
+
+def check_draft_arch(recipe_, text_cfg, model_path=""):
+    """--draft-arch deepseek needs an MLA verifier whose rope transformers and vLLM compute alike (mla_draft); the
+    other drafts, a rope speculators can build (rope_misfit)."""
     if recipe_["draft_arch"] != "deepseek":
+        why = rope_misfit(text_cfg)
+        if why:
+            raise UsageError(f"--model-path {model_path}: speculators cannot build this verifier's draft: {why}")
         return
     from . import mla_draft
     why = None if mla_draft.is_mla(text_cfg) else "the verifier has no MLA attention (no kv_lora_rank in its config)"

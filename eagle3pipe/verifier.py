@@ -221,6 +221,11 @@ def default_layer_ids(n):
 
 def resolve_layer_ids(ids, n, flag="--layer-ids"):
     """Validated auxiliary ids, then id n (the last layer) appended: the order stored in every file."""
+    if not ids and not 0 < 2 < n // 2 < n - 3:  # the default [2, n//2, n-3] fits from 7 layers on
+        fit = sorted({max(0, min(n - 1, x)) for x in (1, n // 2, n - 1)})
+        raise UsageError(f"{flag}: the default auxiliary ids [2, n//2, n-3] = {default_layer_ids(n)} do not fit a "
+                         f"{n}-layer verifier (distinct, ascending, below {n}); give {flag}, e.g. "
+                         f"{','.join(map(str, fit))}")
     ids = list(ids) if ids else default_layer_ids(n)
     if len(set(ids)) != len(ids):
         raise UsageError(f"{flag} {ids}: ids must be distinct")

@@ -143,3 +143,19 @@ def remote_code_tokenizer(out, src, raises=False):
                auto_map={"AutoTokenizer": [None, "tokenization_kimi_like.KimiLikeTokenizer"]})
     with open(path, "w") as f:
         json.dump(tok, f, indent=2)
+
+
+def dense(out, tokenizer_from, config_class, layers=8, hidden=64, heads=4, seed=0, **extra):
+    """A small random verifier of any dense transformers family (`config_class`: "Gemma2Config", "Phi3Config", ...)
+    with the embedded SmolLM2's tokenizer: for the checks an architecture's config decides, before anything loads."""
+    import torch
+    import transformers
+    os.makedirs(out, exist_ok=True)
+    base = _tokenizer(tokenizer_from, out)
+    cfg = getattr(transformers, config_class)(
+        vocab_size=base["vocab_size"], hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=4096,
+        bos_token_id=base.get("bos_token_id"), eos_token_id=base.get("eos_token_id"), **extra)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
+    return out

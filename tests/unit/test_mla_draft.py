@@ -2,7 +2,7 @@
 refusals, and its layer registered in speculators for a block only."""
 import pytest
 
-from eagle3pipe import adapters, mla_draft
+from eagle3pipe import adapters, mla_draft, training
 from eagle3pipe.errors import UsageError
 
 KIMI = {"model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
@@ -106,3 +106,20 @@ def test_an_mla_verifier_s_cpu_engine_runs_vllm_s_pure_torch_rope(tmp_path):
     assert "--compilation-config '{\"custom_ops\": [\"-rotary_embedding\"]}'" in engine.serve_command(
         "m", "d/last", 3, text_cfg=KIMI)
     assert "--compilation-config" not in engine.serve_command("m", "d/last", 3, text_cfg={"hidden_size": 64})
+
+
+def test_a_rope_whose_factor_lists_do_not_cover_the_whole_head_is_refused():
+    """speculators gives a Llama-style draft the verifier's rope over the whole head and drops
+    partial_rotary_factor: Phi-4-mini's longrope lists (12 for 16) failed inside speculators after the data was read."""
+    phi4 = {"hidden_size": 3072, "num_attention_heads": 24, "partial_rotary_factor": 0.75,
+            "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48}}
+    why = training.rope_misfit(phi4)
+    assert why and "48 long_factor entries" in why and "64 entries a list" in why, why
+    with pytest.raises(UsageError, match="--model-path m: speculators cannot build this verifier's draft"):
+        training.check_draft_arch({"draft_arch": "llama"}, phi4, "m")
+    phi3 = {"hidden_size": 3072, "num_attention_heads": 32,  # full rotary: 96-wide heads, 48 a list
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.0] * 48}}
+    assert training.rope_misfit(phi3) is None
+    assert training.rope_misfit({"hidden_size": 64, "num_attention_heads": 4, "partial_rotary_factor": 0.5}) is None
+    qwen_vl = {"hidden_size": 64, "num_attention_heads": 4, "rope_scaling": {"mrope_section": [2, 3, 3]}}
+    assert training.rope_misfit(qwen_vl) is None
