@@ -100,15 +100,43 @@ MARK = "\u2063"  # appended to an answer to find where its text ends in a render
 
 
 def _common(a, b):
-    return len(os.path.commonprefix([a, b]))
+    """The length of the common beginning of two strings, by halving over slices: their comparisons run in C, where
+    a loop over characters (os.path.commonprefix) made long conversations quadratic in Python."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _token_end(tok, text, n):
+    """The last token boundary of `text` at or before character n (where a marker follows: characters alone run on
+    into its first ones, "<" of "<|user|>" and of "<|endoftext|>"). Without offsets, an added token's text that n
+    cuts into is left whole."""
+    if not n:
+        return 0
+    whole = _offsets(tok, text[: n + 256])  # a token past n + 256 cannot end before n
+    if whole is not None:
+        return max((e for _, e in whole[1] if e <= n), default=0)
+    markers, moved = [m for m in getattr(tok, "get_added_vocab", dict)() if len(m) > 1], True
+    while moved:  # stepping back before one marker may cut into another
+        moved = False
+        for marker in markers:
+            at = text.find(marker, max(0, n - len(marker) + 1), n + len(marker) - 1)  # one across n, if any
+            if 0 <= at < n:
+                n, moved = at, True
+    return n
 
 
 def _shared_head(tok, a, b):
-    """The length of the longest common beginning of `a` and `b` that ends at a token boundary of `a` (where a
-    marker follows: characters alone would run on into its first ones, "<" of "<|user|>" and of "<|endoftext|>")."""
-    n = _common(a, b)
-    ta = _offsets(tok, a[: n + 256]) if n else None  # a token past n + 256 cannot end before n
-    return n if ta is None else max((e for _, e in ta[1] if e <= n), default=0)
+    """The length of the longest common beginning of `a` and `b` that ends at a token boundary of `a`."""
+    return _token_end(tok, a, _common(a, b))
 
 
 def _answer_start(tok, messages, i, full):
@@ -122,9 +150,15 @@ def _answer_start(tok, messages, i, full):
     if full.startswith(p):
         return len(p)
     # a generation prompt that opens the answer with text its rendered answer lacks (DeepSeek-R1's "<think>\n"): the
-    # conversation so far must still be full's; the answer starts where p and full part
+    # conversation so far must still be full's; the answer starts where p and full part, or before, where two
+    # different answers part (an answer opening with the prompt's own first characters, "<" of "<think>")
     k = _common(render(tok, messages[:i], False), p)
-    return _common(p, full) if full.startswith(p[:k]) else None  # a token across it is context: never trained
+    if not full.startswith(p[:k]):
+        return None
+    a, b = (render(tok, messages[:i] + [dict(messages[i], content=x)], False) for x in "AB")
+    ab = _common(a, b)
+    start = _common(p, full)
+    return ab if k <= ab < start and full.startswith(a[:ab]) else start
 
 
 def _answer_end(tok, messages, i, full, start):
@@ -149,15 +183,22 @@ def _answer_end(tok, messages, i, full, start):
     return end if end > start and full.startswith(h[:end]) else None
 
 
-def assistant_spans(tok, messages):
-    """(full text, [(start, end) character spans of trained assistant text], number of unaligned turns)."""
-    full = render(tok, messages, False)
+def assistant_spans(tok, messages, full=None, limit=None):
+    """(full text, [(start, end) character spans of trained assistant text], number of unaligned turns). `limit`:
+    the character where the row is cut (--max-seq-len): turns after it are not looked for."""
+    full = render(tok, messages, False) if full is None else full
     spans, unaligned, pos = [], 0, 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = _answer_start(tok, messages, i, full)
-        end = _answer_end(tok, messages, i, full, start) if start is not None and start >= pos else None
+        if limit is not None and pos >= limit:
+            break
+        try:  # only the whole render may refuse a conversation: a prefix a template refuses (a check for a user
+            # turn, say) leaves that turn untrained
+            start = _answer_start(tok, messages, i, full)
+            end = _answer_end(tok, messages, i, full, start) if start is not None and start >= pos else None
+        except TemplateError:
+            end = None
         if end is None:
             unaligned += 1
             continue
@@ -184,8 +225,10 @@ def tokenize_conversation(tok, messages, max_seq_len):
     it lies wholly inside an answer's span (one that straddles a boundary is context). Segment by segment would give
     each segment a tokenizer's start-of-text treatment: SentencePiece-style tokenizers (Llama-2, Mistral) prepend a
     space to each, tokens the verifier never generates. A tokenizer without offsets is tokenized by segment."""
-    full, spans, unaligned = assistant_spans(tok, messages)
+    full = render(tok, messages, False)
     whole = _offsets(tok, full)
+    limit = whole[1][max_seq_len][0] if whole is not None and len(whole[0]) > max_seq_len else None
+    full, spans, unaligned = assistant_spans(tok, messages, full, limit)
     ids, mask = [], []
     if whole is not None:
         ids, k = whole[0], 0

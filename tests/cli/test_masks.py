@@ -203,3 +203,51 @@ def test_a_sentencepiece_tokenizer_gets_the_render_s_own_tokens(tokenizer):
     assert ids == tok(full, add_special_tokens=False)["input_ids"]  # the render's tokens, as an engine makes them
     assert [tok.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m][0] != "▁I"
     assert masked_spans(tok, ids, mask) == ["I am a helpful assistant.</s>\n", "2+2 equals 4.</s>\n"]
+
+
+def test_a_prefix_the_template_refuses_leaves_only_that_turn_untrained(tokenizer):
+    """QwQ-style templates raise when no user turn is found: rendering an opening greeting alone failed, and the
+    whole conversation was counted as one the template refuses."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% if not messages | selectattr('role', 'equalto', 'user') | list %}"
+                         "{{ raise_exception('No user query found in messages.') }}{% endif %}" + tokenizer.chat_template)
+    conv = [{"role": "assistant", "content": "Hello! How can I help?"}] + CONV
+    ids, mask, info = masks.tokenize_conversation(tok, conv, 4096)
+    assert info["unaligned"] == 1
+    assert masked_spans(tok, ids, mask) == ["I am a helpful assistant.<|im_end|>\n", "2+2 equals 4.<|im_end|>\n"]
+
+
+def test_an_answer_opening_with_the_generation_prompt_s_first_characters_is_trained_whole(tokenizer):
+    # R1's prompt ends "<think>\n": the answer "<b>..." shared its "<" with it, and lost its first token
+    tok = templated(tokenizer, R1, ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>"])
+    conv = [CONV[0], {"role": "assistant", "content": "<b>bold</b> reply"}, CONV[2],
+            {"role": "assistant", "content": "<tool>x"}]
+    ids, mask, _ = masks.tokenize_conversation(tok, conv, 4096)
+    assert masked_spans(tok, ids, mask) == ["<b>bold</b> reply<｜end▁of▁sentence｜>", "<tool>x<｜end▁of▁sentence｜>"]
+
+
+def test_a_tokenizer_without_offsets_never_cuts_a_marker():
+    """A Python tokenizer (no character offsets) with Phi-3's template: the answer's end ran on into the "<|" of the
+    next "<|user|>", which was then split and trained."""
+    from transformers import PreTrainedTokenizer
+
+    class CharTokenizer(PreTrainedTokenizer):  # one token a character; added tokens matched whole
+        def __init__(self, **kw):
+            self._chars = [chr(i) for i in range(32, 127)] + ["\n"]  # ids 0-95; added tokens take the next ones
+            self._ids = {c: i for i, c in enumerate(self._chars)}
+            super().__init__(**kw)
+
+        vocab_size = property(lambda self: len(self._chars))
+        get_vocab = lambda self: dict(self._ids, **self.added_tokens_encoder)  # noqa: E731
+        _tokenize = lambda self, text: list(text)  # noqa: E731
+        _convert_token_to_id = lambda self, t: self._ids.get(t, 0)  # noqa: E731
+        _convert_id_to_token = lambda self, i: self._chars[i] if i < len(self._chars) else "?"  # noqa: E731
+        convert_tokens_to_string = lambda self, tokens: "".join(tokens)  # noqa: E731
+
+    tok = CharTokenizer(eos_token="<|endoftext|>", bos_token="<s>", unk_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>", "<|end|>"]})
+    tok.chat_template = PHI3
+    ids, mask, info = masks.tokenize_conversation(tok, CONV, 4096)
+    assert ids == tok(tok.apply_chat_template(CONV, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert masked_spans(tok, ids, mask) == ["I am a helpful assistant.<|end|>\n",
+                                            "2+2 equals 4.<|end|>\n<|endoftext|>"]
