@@ -1,6 +1,6 @@
 """Which verifier architectures the installed vLLM runs EAGLE-3 for, read from its source (vllm_support.py). The
 answers were compared once with vLLM's own runtime check (`supports_eagle3` of each registered class that loads on
-this machine): 225 decided alike, none apart; 66 the source alone cannot decide are never refused."""
+this machine): 223 decided alike, none apart; 68 the source alone cannot decide are never refused."""
 from eagle3pipe import vllm_support
 
 
