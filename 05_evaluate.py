@@ -19,7 +19,7 @@ without a draft, so equality is only meaningful one prompt at a time.
 """
 import os
 
-from eagle3pipe import cli, compute, conversations, files, heldout, outdir, verifier, vllm_support
+from eagle3pipe import cli, compute, conversations, errors, files, heldout, outdir, verifier, vllm_support
 
 ENGINE_LOG = "engine.log"
 
@@ -55,6 +55,8 @@ def parse_args(argv=None):
 def main():
     args = parse_args()
     log = cli.setup_logging()
+    errors.RERUN = ("rerun the same command: stage 05 measures again from the start, and the earlier report stays "
+                    "until the new one is complete")
     from eagle3pipe import draft_check, engine, evaluation
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     unserved = vllm_support.eagle3_refusal(fp.get("architecture"))
@@ -119,7 +121,8 @@ def main():
     report = {
         "draft": os.path.realpath(best), "ranking": ranking, "trainer_vs_vllm": evaluation.reconcile(best, spec[1]),
         "config_mismatches": mismatches, "measure_vs_vllm": measured,
-        "acceptance_length": spec[max(sizes)]["acceptance_length"], "num_prompts": len(prompts),
+        # batch 1, as the ranking and the measure: a larger batch's bf16 outputs depend on the batch's shape
+        "acceptance_length": spec[1]["acceptance_length"], "num_prompts": len(prompts),
         "compute_dtype": dtype.dtype,
         "greedy_identical_at_batch_1": f"{len(prompts) - len(diffs)}/{len(prompts)}", "greedy_divergences": diffs,
         "baseline": {b: {k: v for k, v in r.items() if k != "outputs"} for b, r in base.items()},

@@ -105,6 +105,10 @@ def check_run(args, fp, text_cfg, gpus):
     check_weights(args.model_path)  # vLLM would find missing or cut weights only as it loads them
     maxpos = fp.get("max_position_embeddings")
     k, new = args.num_speculative_tokens, args.max_new_tokens
+    if new < k + 2:  # the prompt's pass gives the first token; a round of k drafts needs k + 1 more
+        raise UsageError(f"--max-new-tokens {new}: with --num-speculative-tokens {k}, not one full round of drafting "
+                         f"fits (the first token comes from the prompt, a round takes up to {k + 1} more); give at "
+                         f"least {k + 2}, far more for a figure worth reading")
     if _int(maxpos) and maxpos > 0 and new + k + 1 > maxpos:
         raise UsageError(f"--max-new-tokens {new}: with --num-speculative-tokens {k} and even a one-token prompt that "
                          f"is {new + k + 1} positions; the verifier handles {maxpos}: lower --max-new-tokens to at "

@@ -78,7 +78,7 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
     lifeline.start()  # vLLM spawns its EngineCore and workers: they die with this process, however it ends
     log.info(f"starting the vLLM engine ({dtype}); its output goes to {log_path}")
     t0 = time.time()
-    with engine_output(log_path):
+    with engine_output(log_path) as stderr, _stopped_at_once("the vLLM engine started", stderr):
         try:
             from vllm import LLM
             llm = LLM(model=model_path, tensor_parallel_size=tp, dtype=dtype, max_model_len=max_model_len,
@@ -88,6 +88,30 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
     log.info(f"vLLM engine ready in {time.time() - t0:.0f} s")
     _watches[id(llm)] = EngineWatch(_children(), log_path)
     return llm
+
+
+@contextlib.contextmanager
+def _stopped_at_once(what, stderr=2):
+    """A stop signal (Ctrl-C, TERM, HUP) while `what`: one line, and out at once with 128 + the signal. vLLM's start
+    swallows the exception a handler raises: SIGTERM hung 10 minutes in its handshake, then failed as a timeout, and
+    Ctrl-C went unseen. Nothing is half-done yet; the lifeline ends the engine's processes once this one is gone."""
+    import signal
+    from .errors import resume_hint
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        os.write(stderr, f"error: stopped by a signal ({signal.Signals(signum).name}) while {what}; "
+                    f"{resume_hint()}\n".encode())
+        os._exit(128 + signum)
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+           if signal.getsignal(sig) is not signal.SIG_IGN}  # nohup's ignored SIGHUP stays ignored
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def start_failure(e, log_path):

@@ -131,7 +131,7 @@ def engine_output(log_path):
         os.write(fd, f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: {' '.join(sys.argv)}\n".encode())
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-        yield
+        yield saved[1]  # the stage's own stderr, for a line the operator must see meanwhile
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -2,10 +2,15 @@
 so every module can raise them (cli.run prints them: UsageError exit 2, RunError exit 1)."""
 
 
+RERUN = None  # a stage that does not resume says what its rerun does instead (stage 05)
+
+
 def resume_hint():
     """How an interrupted stage resumes: the same command, less --overwrite (with it, the rerun would delete what the
     stopped run made and start over)."""
     import sys
+    if RERUN:
+        return RERUN
     return "rerun the same command" + (" without --overwrite" if "--overwrite" in sys.argv[1:] else "") + " to resume"
 
 

@@ -46,6 +46,8 @@ def test_refusals(model_path, stages, trained, tmp_path):
         # the flags against the verifier's positions and the device, before any draft or prompt is read
         (["--num-speculative-tokens", "1000000"], ["--num-speculative-tokens 1000000", "at most 32"]),
         (["--max-new-tokens", "1000000"], ["--max-new-tokens 1000000", "the verifier handles 8192"]),
+        # no round of drafting fits: both engines loaded, then an acceptance of None and a speed-up of 2 tokens
+        (["--max-new-tokens", "4"], ["--max-new-tokens 4: with --num-speculative-tokens 3", "at least 5"]),
         (["--batch-sizes", "1,100000"], ["--batch-sizes [1, 100000]", "at most 4096"]),
         (["--num-prompts", "10000000"], ["--num-prompts 10000000", "at most 100000"]),
     ] + ([] if visible_gpus() else [(["--tp-size", "4"], ["--tp-size 4: no GPU visible"])])
@@ -73,7 +75,7 @@ def test_prompts_are_held_out(stages):
         assert p[-1]["role"] == "user" and p[-1]["content"] not in trained_firsts
 
 
-def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, tmp_path, monkeypatch):
+def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, trained, tmp_path, monkeypatch):
     """Stage 01's records are skipped when --prompts names the same source, relative or absolute, from wherever each
     stage ran; the default stage 01 folder absent is a warning that says evaluation starts at the first record, a
     folder given that does not exist is refused."""
@@ -83,6 +85,11 @@ def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, 
     monkeypatch.chdir(tmp_path)  # no data/prepared here: the default folder absent is a warning
     skip, warning = heldout.held_out_skip("sharegpt", heldout.PREPARED_DEFAULT)
     assert skip == 0 and "evaluating from the first record" in warning
+    # unless the draft's own stage 04 manifest names the stage 01 output it trained on: that one's records are skipped
+    # (its content id checked), where evaluation started at the first training record with a warning
+    out, _ = trained
+    skip, warning = heldout.held_out_skip("sharegpt", heldout.PREPARED_DEFAULT, [("last", str(out / "last"))])
+    assert skip == man["counts"]["records_read"] and "using" in warning and "the draft trained on" in warning, warning
     with pytest.raises(heldout.UsageError, match=r"^--prepared-data \S+/prepraed: not found; give stage 01's"):
         heldout.held_out_skip("sharegpt", str(tmp_path / "prepraed"))  # a path given is a typo, not a default
     data = tmp_path / "ds" / "chats.jsonl"

@@ -2,12 +2,15 @@
 behind, whether the process ignores SIGTERM, sits in a session of its own, was orphaned before the stage died or was
 started a moment before. Real processes; the stage is a small script that starts the lifeline as the stages do."""
 import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
 
-from conftest import REPO, killed_at, left_behind, marked_processes, online_args
+import pytest
+
+from conftest import REPO, killed_at, left_behind, marked_processes, online_args, reached
 from eagle3pipe import lifeline
 
 STAGE = """
@@ -97,3 +100,34 @@ def test_stage04_killed_while_its_hf_engine_loads_leaves_nothing(small, model_pa
     argv = online_args(model_path, small, tmp_path / "draft", "--backend", "hf", "--epochs", "2")
     assert killed_at(argv, "hf-loading", tmp_path, term_first=True) == []
 
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_a_stop_signal_while_vllm_starts_ends_the_stage_at_once(sig, stages, trained, model_path, tmp_path):
+    """vLLM's start swallowed the exception a handler raised: SIGTERM hung 10 minutes in its handshake then failed as
+    a timeout (exit 1), and Ctrl-C was ignored (the run went on and exited 0). Now: one line, 128 + the signal, within
+    seconds, and nothing of the engine left."""
+    out, _ = trained
+    mark, err = uuid.uuid4().hex, tmp_path / "err"
+    argv = ["05_evaluate.py", "--model-path", model_path, "--draft", str(out / "last"), "--prepared-data",
+            str(stages["prepared"]), "--output-dir", str(tmp_path / "ev"), "--num-prompts", "2", "--max-new-tokens",
+            "8", "--batch-sizes", "1", "--measure", "off"]
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.DEVNULL, stderr=f,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "EAGLE3_TEST_MARK": mark})
+    try:
+        deadline = time.time() + 300
+        while not reached("engine-core", err, mark):
+            assert proc.poll() is None and time.time() < deadline, err.read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        rc = proc.wait(30)
+    finally:
+        proc.kill()
+        proc.wait()
+    lines = [l for l in err.read_text().splitlines() if l.startswith("error:")]
+    assert rc == 128 + sig, (rc, err.read_text()[-3000:])
+    assert lines == [f"error: stopped by a signal ({signal.Signals(sig).name}) while the vLLM engine started; rerun "
+                     f"the same command: stage 05 measures again from the start, and the earlier report stays until "
+                     f"the new one is complete"], lines
+    assert left_behind(mark, 60) == []
