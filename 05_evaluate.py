@@ -80,8 +80,9 @@ def main():
     outdir.check("--output-dir", args.output_dir, "evaluate", inputs)
     skip, unknown = heldout.held_out_skip(args.prompts, args.prepared_data, drafts)  # never on training data
     train_metrics, cut = evaluation.read_train_metrics(drafts[0][1])
-    wheres = []
-    prompts = heldout.select_prompts(args, skip, wheres)
+    wheres, seen = [], {}
+    prepared = args.prepared_data if os.path.isdir(args.prepared_data) else heldout.recorded_prepared(drafts)
+    prompts = heldout.select_prompts(args, skip, wheres, heldout.trained_ids(prepared), seen)
     # the one check that needs the tokenizer (transformers), after every cheap one and before the folder is taken
     from eagle3pipe.masks import load_tokenizer, prompt_ids
     tok = load_tokenizer(args.model_path, args.trust_remote_code)
@@ -91,7 +92,9 @@ def main():
     dtype = compute.resolve(args.dtype, bool(gpus))
     fewer = (f"--num-prompts {args.num_prompts}: {args.prompts} holds {len(prompts)} usable prompts after the first "
              f"{skip} records; evaluating those") if len(prompts) < args.num_prompts else None
-    warnings = [w for w in [unknown, cut, fewer] + mismatches if w]
+    copied = (f"--prompts {args.prompts}: {seen['trained']} records carry the ids of records stage 01 trained on (a "
+              f"copy of its data?); skipped") if seen.get("trained") else None
+    warnings = [w for w in [unknown, cut, fewer, copied] + mismatches if w]
     if args.dry_run:
         for warning in warnings:
             log.warning(warning)

@@ -24,6 +24,14 @@ def train_manifest(draft):
 PREPARED_DEFAULT = "data/prepared"  # stage 05's --prepared-data when none is given
 
 
+def recorded_prepared(drafts):
+    """The one stage 01 output the drafts' stage 04 manifests say they trained on, if it exists, else None."""
+    inputs = [train_manifest(path).get("inputs") for _, path in drafts]  # a manifest is the user's file: any shape
+    recorded = {i.get("prepared_data") for i in inputs if isinstance(i, dict)}
+    recorded = {r for r in recorded if isinstance(r, str)}
+    return next(iter(recorded)) if len(recorded) == 1 and os.path.isdir(next(iter(recorded))) else None
+
+
 def held_out_skip(prompts, prepared_data, drafts=()):
     """How many leading records of `prompts` stage 01 trained on, to skip: every one of them when --prepared-data's
     dataset is the same source (paths compared resolved, against the folder stage 01 ran in). -> (skip, a warning or
@@ -43,7 +51,7 @@ def held_out_skip(prompts, prepared_data, drafts=()):
                              f"trained on are skipped), or leave --prepared-data out to evaluate --prompts from its "
                              f"first record")
         recorded = sorted({field(m, "inputs", "prepared_data") for m in trained_from.values()} - {None})
-        if len(recorded) == 1 and os.path.isdir(recorded[0]):  # the draft's own: its content id is checked below
+        if recorded_prepared(drafts):  # the draft's own: its content id is checked below
             note = (f"--prepared-data {prepared_data}: not found; using {quote(recorded[0])}, the stage 01 output "
                     f"the draft trained on")
             skip, warning = held_out_skip(prompts, recorded[0], drafts)
@@ -94,17 +102,42 @@ def _trained_within(folder, part, read):
     return 0
 
 
-def select_prompts(args, skip, wheres=None):
+def trained_ids(prepared):
+    """The record ids stage 01 wrote rows for (`prepared`: its folder, or None), those a record carried itself
+    ("row<n>", a position, says nothing across files)."""
+    import json
+    import re
+    path = os.path.join(prepared, "tokenized_data.jsonl") if prepared else None
+    if not path or not os.path.isfile(path):
+        return set()
+    found, decode = set(), json.JSONDecoder().raw_decode
+    with open(path, encoding="utf-8") as f:
+        for line in f:  # '{"id":"...",' opens every row: the rest, the tokens, is never parsed
+            try:
+                rid = decode(line, 6)[0] if line.startswith('{"id":') else None
+            except ValueError:
+                continue
+            if isinstance(rid, str) and not re.fullmatch(r"row\d+", rid):
+                found.add(rid)
+    return found
+
+
+def select_prompts(args, skip, wheres=None, trained=frozenset(), seen=None):
     """First user turn (with any system turn before it) of conversations from --prompts, after `skip` records
     (the range stage 01 trained on, for the default ShareGPT source). `wheres`: a list that gets each prompt's
-    record ("file:line")."""
+    record ("file:line"). `trained`: record ids stage 01 trained on; a record carrying one (a copy of its data
+    under another path) is skipped and counted in `seen["trained"]`."""
     from .conversations import iter_records, normalize
     prompts, n = [], 0
     for where, rec in iter_records(args.prompts, flag="--prompts"):
         n += 1
         if n <= skip:
             continue
-        _, msgs = normalize(where, rec)
+        rid, msgs = normalize(where, rec)
+        if trained and rid in trained:
+            if seen is not None:
+                seen["trained"] = seen.get("trained", 0) + 1
+            continue
         user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
         head = [m for m in msgs[:user] if m["role"] == "system"] + [msgs[user]] if user is not None else []
         if head and head[-1]["content"].strip():
@@ -114,5 +147,7 @@ def select_prompts(args, skip, wheres=None):
         if len(prompts) >= args.num_prompts:
             break
     if not prompts:
-        raise UsageError(f"--prompts {args.prompts}: no usable prompt (a user turn) after skipping {skip} records")
+        copies = (seen or {}).get("trained")
+        raise UsageError(f"--prompts {args.prompts}: no usable prompt (a user turn) after skipping {skip} records"
+                         + (f" and {copies} that carry the ids of records stage 01 trained on" if copies else ""))
     return prompts

@@ -207,3 +207,26 @@ def test_a_prompt_is_the_first_user_turn_after_any_system_turn(tmp_path):
     got = heldout.select_prompts(argparse.Namespace(prompts=str(data), num_prompts=5), 0, wheres)
     assert got == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]]
     assert wheres == [f"{data}:1"]
+
+
+def test_a_copy_of_the_training_records_under_another_path_is_not_taken_as_held_out(stages, trained, model_path,
+                                                                                     tmp_path):
+    """The held-out rule is by source and position: the first records of the embedded ShareGPT saved as a file of
+    their own were all evaluated as held-out prompts. Records carrying the ids stage 01 trained on are skipped, and
+    said so."""
+    from eagle3pipe import conversations
+    out, _ = trained
+    trained_n = json.load(open(stages["prepared"] / "manifest.json"))["counts"]["records_read"]
+    source = (rec for _, rec in conversations.iter_records("sharegpt"))
+    records = [rec for _, rec in zip(range(trained_n + 40), source)]
+    argv = ["05_evaluate.py", "--model-path", model_path, "--draft", str(out / "last"), "--prepared-data",
+            str(stages["prepared"]), "--prompts", str(tmp_path / "copy.jsonl"), "--num-prompts", "4", "--output-dir",
+            str(tmp_path / "ev"), "--dry-run"]
+    (tmp_path / "copy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    p, _ = run_script(*argv)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "records carry the ids of records stage 01 trained on (a copy of its data?); skipped" in p.stderr, \
+        p.stderr[-2000:]
+    (tmp_path / "copy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:trained_n]))
+    p, secs = run_script(*argv)  # nothing but training records: refused, saying why
+    assert_refused(p, secs, "no usable prompt", "that carry the ids of records stage 01 trained on")
