@@ -302,70 +302,17 @@ def _generate_all(llm, prompt_ids, batch_sizes, params, draft, reference):
     return results
 
 
-def summary(report):
-    """The lines stage 05 prints under its table: the ranking of several checkpoints, and the trainer's estimate
-    beside vLLM's measurement."""
-    lines = []
-    if report.get("ranking"):
-        lines.append("checkpoints by acceptance length through vLLM (batch 1): " + ", ".join(
-            f"{r['name']} {r['acceptance_length']}" + (f" (trainer {r['trainer']:.2f})" if r["trainer"] else "")
-            for r in report["ranking"]) + f"; best: {report['draft']}")
-    rec = report.get("trainer_vs_vllm") or {}
-    if rec.get("trainer") is not None:
-        pos = " ".join(f"{t:.2f}/{v:.2f}" for t, v in rec.get("per_position", []))
-        lines.append(f"acceptance length: trainer's estimate {rec['trainer']:.2f} on its validation rows, vLLM "
-                     f"{rec['vllm']} on these prompts (per position, trainer/vLLM: {pos})")
-    if rec.get("note"):
-        lines.append(rec["note"])
-    m = report.get("measure_vs_vllm") or {}
-    if m.get("acceptance_length") is not None:
-        pos = " ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(m["per_position"], m["vllm_per_position"]))
-        lines.append(f"acceptance length without vLLM (eagle3pipe/acceptance.py, float32): {m['acceptance_length']}, "
-                     f"vLLM {m['vllm']} (per position, measure/vLLM: {pos}); the same figure at every position of "
-                     f"the same outputs, the trainer's formula: {m['position_average']}")
-    return lines
+def run(args, plan, log_path):
+    """The baseline engine, then each draft's on the same prompts, then the measure without vLLM.
+    -> (sizes, baseline figures by batch size, the best draft's figures by batch size, ranking, measure)."""
+    sizes = sorted(set([1] + args.batch_sizes))
+    common = dict(max_model_len=plan.max_model_len, on_gpu=bool(plan.gpus), tp=args.tp_size,
+                  trust_remote_code=args.trust_remote_code, dtype=plan.dtype.dtype, log_path=log_path)
+    base = run_engine(args.model_path, plan.ids, sizes, args.max_new_tokens, **common)
 
-
-def plot(report, train_metrics, path):
-    """Per-position acceptance (left), the training curves from stage 04's metrics.jsonl (middle) and, with several
-    checkpoints, their acceptance lengths with the best marked (right)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    ranking = report.get("ranking") or []
-    fig, axes = plt.subplots(1, 3 if ranking else 2, figsize=(16 if ranking else 11, 4))
-    a, b = axes[0], axes[1]
-    if ranking:
-        c = axes[2]
-        order = sorted(ranking, key=lambda r: int(r["name"]) if str(r["name"]).isdigit() else 0)
-        colors = ["tab:green" if r["draft"] == report.get("draft") else "tab:gray" for r in order]
-        c.bar([str(r["name"]) for r in order], [r["acceptance_length"] or 0 for r in order], color=colors,
-              label="vLLM")
-        if any(r["trainer"] for r in order):
-            c.plot([str(r["name"]) for r in order], [r["trainer"] or float("nan") for r in order], "ko--",
-                   label="trainer's estimate")
-        c.set(title="acceptance length by checkpoint (best in green)", xlabel="epoch", ylabel="acceptance length",
-              ylim=(1, None))
-        c.legend()
-    for bs, r in report["speculative"].items():
-        if r.get("per_position"):
-            a.plot(range(1, len(r["per_position"]) + 1), r["per_position"], marker="o", label=f"batch {bs}")
-    a.set(title=f"acceptance by draft position (mean length {report['acceptance_length']})",
-          xlabel="draft position", ylabel="accepted fraction", ylim=(0, 1))
-    a.legend()
-    train = [m for m in train_metrics if "train" in m]
-    if train:
-        steps = [m["global_step"] for m in train]
-        b.plot(steps, [m["train"]["loss"] for m in train], color="black", label="train loss (sum over positions)")
-        b.set(title="stage 04 training", xlabel="step", ylabel="loss")
-        acc = b.twinx()
-        for key in sorted(k for k in train[-1]["train"] if k.startswith("full_acc_")):
-            acc.plot(steps, [m["train"].get(key, 0) for m in train], "--", label=key.replace("full_", ""))
-        acc.set(ylabel="accuracy", ylim=(0, 1))
-        acc.legend(loc="upper right")
-        b.legend(loc="upper left")
-    else:
-        b.text(0.5, 0.5, "no stage 04 metrics found", ha="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, format="png")  # the path is a temporary name without .png
-    plt.close(fig)
+    def spec_run(path):
+        return run_engine(args.model_path, plan.ids, sizes, args.max_new_tokens, draft=path,
+                          k=args.num_speculative_tokens, reference=base[1]["outputs"], **common)
+    ranking, spec = rank(plan.drafts, spec_run)  # each checkpoint on the same prompts, the best first
+    measured = measure_without_vllm(args, plan.drafts, plan.ids, bool(plan.gpus), ranking)
+    return sizes, base, spec, ranking, measured

@@ -1,0 +1,88 @@
+"""Stage 05's plan: every check on the verifier, the drafts, the prompts and the flags, resolved once into a frozen
+record before anything heavy loads or the output folder is taken (a mistake costs seconds, not a verifier's load)."""
+import dataclasses
+import logging
+import os
+
+from . import cli, compute, conversations, files, heldout, outdir, verifier, vllm_support
+
+log = logging.getLogger("eagle3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    fp: dict                # the verifier's fingerprint (verifier.open_verifier)
+    drafts: list            # [(name, checkpoint path)], every one checked
+    mismatches: list        # warnings: a draft's config against the verifier's
+    inputs: list            # [(flag, path)] the output folder must not overlap
+    skip: int               # records of --prompts stage 01 read: never measured on
+    prompts: list           # the chats measured on
+    ids: list               # each prompt's token ids through the chat template
+    max_model_len: int
+    dtype: compute.Compute
+    gpus: list
+    train_metrics: list     # stage 04's metrics.jsonl of the first draft (the plot)
+    warnings: list          # said once the folder is taken (all of them, in the dry run)
+
+
+def plan(args):
+    """-> Plan. Raises cli.UsageError naming the flag, file or record at the first problem."""
+    from . import draft_check, engine, evaluation
+    from .mla_draft import is_mla_checkpoint
+    fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
+    unserved = vllm_support.eagle3_refusal(fp.get("architecture"))
+    if unserved:  # the baseline engine ran first, then the speculative one died as it started
+        raise cli.UsageError(f"--model-path {args.model_path}: {unserved}")
+    verifier.check_chat_files(args.model_path)
+    gpus = compute.visible_gpus()
+    draft_check.check_run(args, fp, tc, gpus)  # the flags against the verifier's positions and the GPUs
+    conversations.check_dataset(args.prompts, "--prompts")
+    drafts, mismatches = evaluation.drafts_to_measure(args.draft, fp, tc, args.tp_size, args.num_speculative_tokens)
+    dtype = compute.resolve(args.dtype, bool(gpus))
+    blocker = engine.eagle3_blocker(tc, bool(gpus), mla_draft=all(is_mla_checkpoint(p) for _, p in drafts),
+                                    dtype=dtype.dtype)
+    if blocker:  # refused in seconds, not after the verifier's load
+        raise cli.UsageError(f"--model-path {args.model_path}: cannot evaluate an eagle3 draft here: {blocker}; run "
+                             f"stage 05 on a GPU machine")
+    inputs = [("--model-path", args.model_path), ("--prompts", args.prompts), ("--prepared-data", args.prepared_data)]
+    for d in args.draft:  # nothing goes inside a draft's stage 04 folder
+        run = os.path.dirname(os.path.realpath(d)) if os.path.isfile(os.path.join(d, "config.json")) else d
+        inputs.append(("--draft", run if os.path.lexists(os.path.join(run, files.MANIFEST)) else d))
+    outdir.check("--output-dir", args.output_dir, "evaluate", inputs)
+    skip, unknown = heldout.held_out_skip(args.prompts, args.prepared_data, drafts)  # never on training data
+    train_metrics, cut = evaluation.read_train_metrics(drafts[0][1])
+    wheres, seen = [], {}
+    prepared = args.prepared_data if os.path.isdir(args.prepared_data) else heldout.recorded_prepared(drafts)
+    prompts = heldout.select_prompts(args, skip, wheres, heldout.trained_ids(prepared), seen)
+    # the one check that needs the tokenizer (transformers), after every cheap one and before the folder is taken
+    from .masks import load_tokenizer, prompt_ids
+    tok = load_tokenizer(args.model_path, args.trust_remote_code)
+    ids = [prompt_ids(tok, p) for p in prompts]  # each render within the template's time budget
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    max_len = draft_check.max_model_len(len(ids[longest]), args, fp.get("max_position_embeddings"), wheres[longest])
+    fewer = (f"--num-prompts {args.num_prompts}: {args.prompts} holds {len(prompts)} usable prompts after the first "
+             f"{skip} records; evaluating those") if len(prompts) < args.num_prompts else None
+    copied = (f"--prompts {args.prompts}: {seen['trained']} records carry the ids of records stage 01 trained on (a "
+              f"copy of its data?); skipped") if seen.get("trained") else None
+    return Plan(fp=fp, drafts=drafts, mismatches=mismatches, inputs=inputs, skip=skip, prompts=prompts, ids=ids,
+                max_model_len=max_len, dtype=dtype, gpus=gpus, train_metrics=train_metrics,
+                warnings=[w for w in [unknown, cut, fewer, copied] + mismatches if w])
+
+
+def dry_run(args, p):
+    """What the run would do, every warning included; nothing loaded or written."""
+    for warning in p.warnings:
+        log.warning(warning)
+    print(f"dry run: {len(p.drafts)} checkpoint(s) checked ({', '.join(n for n, _ in p.drafts)}); {len(p.prompts)} "
+          f"prompts (after the first {p.skip} records, which stage 01 read) of at most "
+          f"{max(len(i) for i in p.ids)} tokens, max_model_len {p.max_model_len}; {p.dtype.describe()}; "
+          f"{f'{len(p.gpus)} GPU(s), --tp-size {args.tp_size}' if p.gpus else 'CPU'}; nothing loaded, nothing written")
+
+
+def announce(args, p):
+    """The run's first lines, once the folder is taken."""
+    log.info(p.dtype.describe())
+    for warning in [p.dtype.warning] + p.warnings:
+        if warning:
+            log.warning(warning)
+    log.info(f"{len(p.prompts)} prompts from {args.prompts} (after the first {p.skip} records)")
