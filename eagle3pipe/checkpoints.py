@@ -8,7 +8,7 @@ import logging
 import os
 import time
 
-from . import files, outdir
+from . import faults, files, outdir
 from .errors import RunError, UsageError
 from .ledger import ledger_of
 
@@ -121,7 +121,10 @@ def resume_state(out):
         with open(state) as f:
             st = json.load(f)
         epoch = str(st["epoch"])
-        outdir.replace_dir(interrupted, os.path.join(out, epoch))
+        if _same_step(os.path.join(out, epoch), st):  # stopped at that epoch's end, after its own save: that one
+            outdir.remove(interrupted)                 # stays, with its val_metrics.json (checkpoint_best reads it)
+        else:
+            outdir.replace_dir(interrupted, os.path.join(out, epoch))
         outdir.remove(os.path.join(out, "last"))
         outdir.symlink(epoch, os.path.join(out, "last"))
         said = f"resuming from the interrupted checkpoint: epoch {st['epoch']}, step {st['global_step']}"
@@ -142,6 +145,37 @@ def resume_state(out):
                                  f"{outdir.quote(name)}: move {outdir.quote(name)} away (training resumes from the "
                                  f"checkpoint before it, or starts over) and rerun")
     return said
+
+
+def _same_step(folder, st):
+    """Whether the checkpoint in `folder` is this stage's, whole, and at the step `st` (an `interrupted` state)."""
+    path = os.path.join(folder, "training_state.json")
+    if not (outdir.owned(path) and os.path.exists(os.path.join(folder, "config.json"))
+            and not outdir.remove(folder, dry_run=True)):
+        return False
+    try:
+        with open(path) as f:
+            got = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return st.get("local_step") == 0 and got.get("local_step") == 0 and got.get("global_step") == st.get("global_step")
+
+
+def validate_pending(trainer):
+    """Before the stage trainer's first epoch: the epoch a rerun resumes after is validated now when its validation
+    never ran (a stop or a kill during its save, its validation or its acceptance measure left the checkpoint whole
+    and no val_metrics.json), so that it can still be checkpoint_best. Every rank looks before rank 0 writes."""
+    epoch = trainer.current_epoch - 1
+    if epoch < 0 or trainer.val_loader is None or trainer._resume_local_step:  # mid-epoch: the one before was validated
+        return
+    folder = trainer.checkpointer.path / str(epoch)
+    if not (folder / "config.json").exists() or (folder / "val_metrics.json").exists():
+        return
+    if trainer.is_distributed:
+        import torch.distributed as dist
+        dist.barrier()
+    log.info(f"epoch {epoch}: validating it first (the run that trained it stopped before its validation)")
+    trainer.maybe_update_best(epoch, trainer.val_epoch(epoch))
 
 
 def prepare_output(args, identity, inputs, rank, carry=lambda old: {}):
@@ -192,7 +226,6 @@ def save(trainer, epoch, local_step, save_):
         from .mla_draft import write_served
         write_served(str(staged))  # an MLA draft: vllm/, the config vLLM 0.32 reads, beside the same weights
     if saved:
-        from . import faults
         faults.kill_point("save")  # a reliability test: die with the save on disk but not in place
     if trainer.rank == 0 and not saved:
         discard_staged(str(staged))  # speculators chose not to save here: the empty folder goes
@@ -217,8 +250,12 @@ def update_best(trainer, epoch, val_metrics, measure, by_loss):
         record = {**val_metrics, "expected_acceptance_length": estimate}
         if measure is not None and not measure.failed:
             try:
+                faults.signal_point("measure")  # a reliability test: a stop signal during the measure
                 record["acceptance_measure"] = measure.score(trainer.model)
             except Exception as e:  # noqa: BLE001 - choosing the best epoch must never cost the training run
+                from .adapters import interrupted
+                if interrupted(e):  # a stop signal during the measure: the run stops, the measure did not fail
+                    raise
                 from .cli import describe
                 measure.failed = describe(e)[1]
                 log.warning(f"acceptance measure failed ({measure.failed}); checkpoint_best follows the trainer's "

@@ -8,7 +8,13 @@ variable. Nothing here does anything unless a variable is set.
                                        end (every file written, the manifest not yet); stage 04: save (a
                                        checkpoint half written in .saving/), publish (the previous checkpoint
                                        deleted, the new one not yet renamed into place), worker-probe (the
-                                       probe worker stage 04 forks from its loader server, warm_start.py)
+                                       probe worker stage 04 forks from its loader server, warm_start.py);
+                                       any stage: installed (a finished file renamed into place, its new name
+                                       not yet recorded), renamed (a folder renamed into place, its old names
+                                       not yet forgotten)
+    EAGLE3_INJECT_SIGNAL=POINT:SIG[:N] send SIG (TERM, INT) to this process the Nth time it reaches POINT: read
+                                       (stage 04, inside a training sample's read), measure (inside the epoch's
+                                       acceptance measure): a stop that lands where a broad `except` stands
     EAGLE3_INJECT_OOM_ABOVE_TOKENS=N   raise torch's OutOfMemoryError for any stage 02 forward over N tokens
     EAGLE3_INJECT_NAN_ROWS=3,7         poison those rows' hidden states before stage 02's finiteness check
 """
@@ -31,6 +37,17 @@ def kill_point(name):
         _counts[name] = _counts.get(name, 0) + 1
         if _counts[name] == int(nth or 1):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def signal_point(name):
+    point, _, rest = os.environ.get("EAGLE3_INJECT_SIGNAL", "").partition(":")
+    if point != name:
+        return
+    sig, _, nth = rest.partition(":")
+    with _lock:
+        _counts["signal:" + name] = _counts.get("signal:" + name, 0) + 1
+        if _counts["signal:" + name] == int(nth or 1):
+            os.kill(os.getpid(), getattr(signal, "SIG" + sig))
 
 
 def oom_above():

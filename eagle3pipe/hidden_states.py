@@ -18,6 +18,9 @@ import os
 import struct
 import zlib
 
+from . import faults
+from .adapters import interrupted
+
 HS_NAME = "hs_{}.safetensors"
 SCALES = "hidden_states_scales"
 STORAGE_DTYPES = ("bf16", "fp8")
@@ -61,7 +64,6 @@ def save(path, tensors, **metadata):
     it is still in the CPU's cache (one pass over the data instead of two), and the header is written last in place
     of a placeholder of the same length. zlib and the writes release the GIL, so several writer threads overlap."""
     import torch
-    from . import faults
     from .files import atomic_path
     header, views, offset = {}, [], 0
     for name in sorted(tensors):
@@ -142,6 +144,7 @@ def load_sample(path, n_states, hidden):
     and the tensors are views of it (no second copy); the finite check is a min/max pass (NaN and +-inf reach one of
     them), 40x cheaper on a CPU than an elementwise isfinite over bf16 (bench/profile_loader.py)."""
     try:
+        faults.signal_point("read")  # a reliability test: a stop signal that lands during the read
         header, start, size = read_header(path)
         n_tokens = (header.get("token_ids") or {}).get("shape", [None])[0]
         reason = check_header(path, n_tokens, n_states, hidden)
@@ -159,6 +162,8 @@ def load_sample(path, n_states, hidden):
             return "checksum mismatch: corrupt data", None
         tensors = _views(buf, start, header)
     except Exception as e:  # noqa: BLE001 - any way a file is unreadable makes the sample unavailable, named
+        if interrupted(e):  # a stop signal that landed during the read: the run's, not the file's
+            raise
         return f"unreadable ({type(e).__name__}: {str(e)[:80]})", None
     if not finite(tensors[SCALES] if SCALES in tensors else tensors["hidden_states"]):
         return "non-finite values", None
@@ -252,6 +257,8 @@ def load_checked(path, token_ids, n_states, hidden):
         with safe_open(path, "pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # corrupt in a way the header check missed
+        if interrupted(e):
+            raise
         return f"unreadable ({type(e).__name__}: {str(e)[:80]})", None
     if not torch.equal(tensors["token_ids"].to(torch.int64), torch.as_tensor(token_ids, dtype=torch.int64)):
         return "token_ids differ from the prepared row", None

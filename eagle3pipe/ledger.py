@@ -212,12 +212,47 @@ class Ledger:
             path = os.path.join(self.root, rel)
             if ident is not None and self._real_parents(rel) and matches(ident, os.lstat(path), path):
                 return True
+            if self._renamed_temp(rel, path):
+                return True
         except OSError:
             return False
         if not fresh:  # another process of this stage may have remade it since this one read the record
             self.refresh()
             return self.owns(rel, fresh=True)
         return False
+
+    def _renamed_temp(self, rel, path):
+        """Whether `path` is a finished temporary file of the stage, renamed onto `rel` by a process killed before it
+        recorded the new name: outdir.install records the temporary's whole identity (inode, size, time, first bytes
+        or link target; a rename keeps them all) before the rename, under the temporary's fresh name beside `rel`."""
+        d, _, name = rel.rpartition("/")
+        prefix = f"{d}/.{name}.tmp-" if d else f".{name}.tmp-"
+        candidates = [i for r, i in list(self.entries.items()) if i[0] == "t" and i[2] and r.startswith(prefix)]
+        if not candidates or not self._real_parents(rel):
+            return False
+        st = os.lstat(path)
+        kind = "l" if stat.S_ISLNK(st.st_mode) else "f"
+        return any(matches([kind, *i[1:]], st, path) for i in candidates)
+
+    def adopt_renamed(self):
+        """Record under its own name each finished temporary file a killed process renamed into place before it
+        recorded the new name (_renamed_temp): the claim then forgets the dead writer's temporary names. Only while
+        holding the folder's lock."""
+        for rel, ident in list(self.entries.items()):
+            if ident[0] != "t" or not ident[2]:
+                continue
+            d, _, name = rel.rpartition("/")
+            target = (f"{d}/" if d else "") + name[1:].rsplit(".tmp-", 1)[0]
+            path = os.path.join(self.root, target)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            kind = "l" if stat.S_ISLNK(st.st_mode) else "f"
+            mine = self.entries.get(target)
+            if not (mine and matches(mine, st, path)) and self._real_parents(target) and \
+                    matches([kind, *ident[1:]], st, path):
+                self.append(target, [kind, *ident[1:]])
 
     def _real_parents(self, rel):
         """Every folder on the way to `rel` is one the stage made and a real folder: a path through a link (planted, or

@@ -24,10 +24,10 @@ import re
 import stat
 import time
 
-from . import handoff, locks
+from . import faults, handoff, locks
 from .errors import RunError, UsageError, quote
-from .ledger import (LEDGER, OLD_RECORD, Ledger, claimed, exclusive_temp, forget, inside as _inside, ledger_of,
-                     open_beneath, open_plain, owned, record, temp_name)
+from .ledger import (LEDGER, OLD_RECORD, TEMP, Ledger, claimed, exclusive_temp, forget, identity, inside as _inside,
+                     ledger_of, open_beneath, open_plain, owned, record, temp_name)
 from .locks import LOCK, SHARD_LOCK
 from .ledger import attach, record_tree  # noqa: F401 (the record's API, which the stages reach through this module)
 
@@ -103,11 +103,25 @@ def new_temp(path):
 
 def install(src, path):
     """Rename the stage's finished file `src` onto `path`: only if nothing is there, or what is there is the stage's
-    own (a link at `path` is replaced, never followed). Then record it."""
+    own (a link at `path` is replaced, never followed). What proves the file the stage's is recorded before the
+    rename (a rename keeps inode, size, time and first bytes): a temporary's whole identity under its fresh name
+    (ledger.Ledger._renamed_temp), or the new name itself where nothing is there to lose; the new name after it. A
+    process killed between the rename and its record left a file the record still proves the stage's."""
     check_replaceable(path)
+    led, rel = ledger_of(path)
+    if led is None:  # outside a claimed folder: nothing to record
+        os.replace(src, path)
+        forget(src)
+        return
+    ident = identity(os.lstat(src), src)
+    if ledger_of(src)[0] is led and TEMP.fullmatch(os.path.basename(src)):
+        led.append(ledger_of(src)[1], ["t", *ident[1:]])
+    elif not os.path.lexists(path):
+        led.append(rel, ident)
     os.replace(src, path)
+    faults.kill_point("installed")  # a reliability test: renamed into place, the new name not yet recorded
+    led.append(rel, ident)
     forget(src)
-    record(path)
 
 
 def check_replaceable(path, wait=0.5):
@@ -234,16 +248,17 @@ def replace_dir(src, dst):
             raise RunError(f"{quote(dst)}: holds {quote(os.path.relpath(left[0], dst))}, which this stage did not make; "
                            f"move it away and rerun (the new copy waits in {quote(src)})")
         remove(dst)
-        from . import faults
         faults.kill_point("publish")  # a reliability test: the old copy gone, the new one not yet in place
-    os.rename(src, dst)
-    if led is None:
-        return
-    _, new = ledger_of(dst)
-    for r, ident in sorted(led.entries.items()):
-        if r == rel or r.startswith(rel + "/"):
+    moved = []
+    if led is not None:  # the new names first: a process killed right after the rename left a folder the record
+        _, new = ledger_of(dst)  # proves the stage's (a rename keeps every identity inside it)
+        moved = [(r, ident) for r, ident in sorted(led.entries.items()) if r == rel or r.startswith(rel + "/")]
+        for r, ident in moved:
             led.append(new + r[len(rel):], ident)
-            led.append(r, None)
+    os.rename(src, dst)
+    faults.kill_point("renamed")  # a reliability test: the folder renamed, its old names not yet forgotten
+    for r, _ in moved:
+        led.append(r, None)
 
 
 def move_aside(src, dst):
@@ -352,6 +367,7 @@ def claim(flag, path, stage, inputs=(), shard=None, overwrite=False):
             os.unlink(tmp)
         led = Ledger.load(real)
     claimed[real] = led
+    led.adopt_renamed()  # a writer killed between a rename and its record: the file is the stage's, by identity
     for rel, ident in sorted(led.entries.items()):  # a dead writer's temporary files (or names it never made)
         if ident[0] == "t" and not _live_temp(rel):
             remove(os.path.join(real, rel))

@@ -208,8 +208,10 @@ def dataset_class():
                 if self.client is None:
                     try:
                         self._setup_client()
-                    except Exception:  # noqa: BLE001 - each sample's own attempts below report it
-                        pass
+                    except Exception as e:  # noqa: BLE001 - each sample's own attempts below report it
+                        from .adapters import interrupted
+                        if interrupted(e):
+                            raise
                 with ThreadPoolExecutor(min(len(missing), t.concurrency)) as ex:
                     for index, res in zip(missing, ex.map(self._generate, missing)):
                         t.ready[int(self._map_to_file_idx(index))] = res

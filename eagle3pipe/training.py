@@ -161,6 +161,7 @@ def acknowledged_signals(again_after=2.0):
 def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, dtype="bfloat16", batch_step=None,
                        profile=None):
     from speculators.train.trainer import Trainer
+    pending = [True]  # the epoch a rerun resumes after may still need its validation (checkpoints.validate_pending)
 
     class PipelineTrainer(Trainer):
         def setup_model(self):
@@ -180,17 +181,22 @@ def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, 
                                   self.config.optimizer, dense_log.tokens_per_step, self.config.muon_ns_steps)
 
         def train_epoch(self, epoch, **kw):
+            if pending[0]:  # this run's first epoch, inside speculators' loop: a stop here saves `interrupted`
+                pending[0] = False
+                checkpoints.validate_pending(self)
             if max_steps and self.global_step >= max_steps:
                 return  # speculators would run one more step per remaining epoch
             return super().train_epoch(epoch, **kw)
 
         def run_training(self):
-            TRAINING[0] = True
             # speculators 0.9 keeps looping over the remaining epochs after --max-steps, each one saving a
             # checkpoint and validating; stop at the epoch in which the last step falls
             if max_steps:
                 need = -(-max_steps // max(1, len(self.train_loader)))
                 self.config = self.config._replace(num_epochs=min(self.config.num_epochs, need))
+            if self.current_epoch >= self.config.num_epochs:  # no epoch left: before speculators' handler, so that
+                checkpoints.validate_pending(self)            # a stop ends the run now (a rerun validates again)
+            TRAINING[0] = True
             return super().run_training()
 
         def val_epoch(self, epoch):

@@ -120,6 +120,9 @@ class WorkerServer:
             proc.join(10)
             self.why = f"its probe worker died (exit code {proc.exitcode})"
         except Exception as e:  # noqa: BLE001 - any failure means: spawn the workers instead, and say why
+            from .adapters import interrupted
+            if interrupted(e):
+                raise
             self.why = f"{type(e).__name__}: {str(e)[:200]}"
         finally:
             proc.join(10)

@@ -99,3 +99,38 @@ def test_an_output_inside_a_stage_folder_or_under_a_file_or_through_a_dangling_l
     with pytest.raises(UsageError, match=r"--output-dir .*dangling: a link to .*nowhere, which does not exist"):
         outdir.check("--output-dir", str(tmp_path / "dangling"), "vocab")
     assert not (tmp_path / "nowhere").exists() and (tmp_path / "afile").read_text() == "a person's file\n"
+
+
+def _child(code, **env):
+    """`code` in a fresh process (a claim holds its folder's lock for the process's life)."""
+    return subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {REPO!r}); "
+                           f"from eagle3pipe import outdir; {code}"], capture_output=True, text=True,
+                          env=dict(os.environ, **env))
+
+
+@pytest.mark.parametrize("point", ["installed", "renamed"])
+def test_a_kill_between_a_rename_and_its_record_leaves_what_the_record_proves_ours(tmp_path, point):
+    """SIGKILL right after a finished file (`installed`) or folder (`renamed`) took its final name, before the record
+    said so: the rerun's claim finds it the stage's (its temporary's identity, or the folder's new names, were
+    recorded before the rename), so the same command goes on and --overwrite deletes it; a person's file put at that
+    name afterwards is refused by --overwrite and left alone."""
+    import signal
+    d = tmp_path / "out"
+    claim = f"outdir.claim('--output-dir', {str(d)!r}, 'vocab'"
+    write = (f"from eagle3pipe import files; files.write_json({str(d / 'a.json')!r}, {{'x': 1}})" if point == "installed"
+             else f"p = {str(d / 'new')!r}; outdir.make_dir(p); open(p + '/x.npy', 'w').write('ours'); "
+                  f"outdir.record(p + '/x.npy'); outdir.replace_dir(p, {str(d / 'sub')!r})")
+    p = _child(f"{claim}); {write}", EAGLE3_INJECT_KILL=point)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    made = d / ("a.json" if point == "installed" else "sub")
+    theirs = made if point == "installed" else made / "x.npy"
+    assert made.exists()
+    p = _child(f"{claim}); print(outdir.owned({str(made)!r}), outdir.owned({str(theirs)!r}))")
+    assert (p.returncode, p.stdout.split()) == (0, ["True", "True"]), p.stderr[-2000:]  # the same command goes on
+    os.unlink(theirs)
+    theirs.write_text("a person's file, written after the kill\n")
+    p = _child(f"{claim}, overwrite=True)")
+    assert p.returncode != 0 and "did not make" in p.stderr and theirs.exists(), p.stderr[-2000:]
+    os.unlink(theirs)
+    p = _child(f"{claim}, overwrite=True)")
+    assert p.returncode == 0 and not made.exists(), p.stderr[-2000:]  # ours: deleted by --overwrite

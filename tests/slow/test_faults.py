@@ -59,6 +59,29 @@ def test_signal_during_training_then_resume(stages, model_path, tmp_path, sig):
     assert man["steps"] == int(re.findall(r"step \d+/(\d+)", p.stderr)[0])
 
 
+def test_a_stop_during_an_epochs_measure_saves_interrupted_and_the_rerun_validates_that_epoch_first(stages, model_path,
+                                                                                                  tmp_path):
+    """SIGTERM inside the first epoch's acceptance measure: the run stops with `interrupted` (it was taken for the
+    measure's failure: checkpoint_best fell back to the trainer's estimate and the stop was lost). The rerun keeps
+    that epoch's own checkpoint, validates and measures it before the next epoch (its validation had never run, so
+    it could never be checkpoint_best), then trains on; the SIGKILL twin (a kill in the same window) is the same
+    rerun."""
+    out = tmp_path / "draft"
+    argv = train_args(model_path, stages, out, "--epochs", "2", "--total-seq-len", "512", "--num-samples", "12",
+                      "--measure-prompts", "2", "--measure-tokens", "8")
+    p, _ = run_script(*argv, env={"EAGLE3_INJECT_SIGNAL": "measure:TERM"})
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, p.stderr[-3000:])
+    assert "acceptance measure failed" not in p.stderr, p.stderr[-3000:]
+    assert (out / "0" / "config.json").exists() and not (out / "0" / "val_metrics.json").exists()
+    p, _ = run_script(*argv)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "epoch 0: validating it first" in p.stderr and "acceptance measure failed" not in p.stderr, p.stderr[-3000:]
+    assert not (out / "interrupted").exists()
+    for epoch in ("0", "1"):
+        assert "acceptance_measure" in json.load(open(out / epoch / "val_metrics.json")), epoch
+    assert os.path.realpath(out / "checkpoint_best") in (str(out / "0"), str(out / "1"))
+
+
 def test_online_hf_kill_resume_cache_and_skipped_sample(small, model_path, tmp_path):
     online_killed_and_resumed("hf", small, model_path, tmp_path)
 
