@@ -52,16 +52,16 @@ def test_a_stop_signal_inside_a_sample_read_stops_the_run_and_no_good_sample_is_
                                                                                           tmp_path):
     """SIGTERM landing inside a training sample's read (on a CPU the loader reads in the main process, where
     speculators' handler raises its stop): the run stops with an `interrupted` checkpoint, as anywhere else. It was
-    taken for an unreadable file: the sample skipped and counted, the stop lost, the run trained to its end (exit 0)."""
+    taken for an unreadable file: the sample skipped and counted, the stop lost, the run trained to its end (exit 0).
+    One run, the cheaper for the default set's budget."""
     out = tmp_path / "draft"
     argv = train_args(model_path, stages, out, "--epochs", "1", "--total-seq-len", "512", "--num-samples", "12")
     p, _ = run_script(*argv, env={"EAGLE3_INJECT_SIGNAL": "read:TERM:4"})
     assert p.returncode == 128 + signal.SIGTERM, (p.returncode, p.stderr[-3000:])
     assert "SIGTERM: stopping" in p.stderr and "unreadable" not in p.stderr, p.stderr[-3000:]
     assert (out / "interrupted" / "training_state.json").exists() and not (out / "manifest.json").exists()
-    p, _ = run_script(*argv)
-    assert p.returncode == 0 and "resuming from the interrupted checkpoint" in p.stderr, p.stderr[-3000:]
-    assert json.load(open(out / "manifest.json"))["skipped_samples"] == 0
+    assert not (out / "logs" / "skipped.jsonl").exists() or not (out / "logs" / "skipped.jsonl").read_text().strip()
+    # the rerun resumes from `interrupted` as after any stop (test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached)
 
 
 def test_a_rerun_resumes_only_the_same_run_and_inputs_deleted_under_it_stop_it(stages, model_path, tmp_path):
