@@ -153,6 +153,7 @@ class Ledger:
 
     def __init__(self, root, stage, entries, offset=0):
         self.root, self.stage, self.entries, self.fd, self.offset = root, stage, entries, None, offset
+        self.version, self._temps = 0, None  # _temps: (version, {target rel: [identity]}), rebuilt after a change
 
     @classmethod
     def load(cls, root):
@@ -203,6 +204,7 @@ class Ledger:
             with _mutex:
                 _apply(self.entries, data.splitlines())
                 self.offset += len(data)
+                self.version += 1
         except (ValueError, TypeError, IndexError, RecursionError):
             pass  # a record damaged since: the next stage run names it
 
@@ -225,24 +227,30 @@ class Ledger:
         """Whether `path` is a finished temporary file of the stage, renamed onto `rel` by a process killed before it
         recorded the new name: outdir.install records the temporary's whole identity (inode, size, time, first bytes
         or link target; a rename keeps them all) before the rename, under the temporary's fresh name beside `rel`."""
-        d, _, name = rel.rpartition("/")
-        prefix = f"{d}/.{name}.tmp-" if d else f".{name}.tmp-"
-        candidates = [i for r, i in list(self.entries.items()) if i[0] == "t" and i[2] and r.startswith(prefix)]
+        candidates = self._renamed_temps().get(rel)
         if not candidates or not self._real_parents(rel):
             return False
         st = os.lstat(path)
         kind = "l" if stat.S_ISLNK(st.st_mode) else "f"
         return any(matches([kind, *i[1:]], st, path) for i in candidates)
 
+    def _renamed_temps(self):
+        """{target rel: [identity]} of the temporary names recorded with a whole identity (outdir.install, before
+        its rename): one pass over the record after each change, not one per question."""
+        if self._temps is None or self._temps[0] != self.version:
+            index = {}
+            for r, i in list(self.entries.items()):
+                if i[0] == "t" and i[2]:
+                    d, _, name = r.rpartition("/")
+                    index.setdefault((f"{d}/" if d else "") + name[1:].rsplit(".tmp-", 1)[0], []).append(i)
+            self._temps = (self.version, index)
+        return self._temps[1]
+
     def adopt_renamed(self):
         """Record under its own name each finished temporary file a killed process renamed into place before it
         recorded the new name (_renamed_temp): the claim then forgets the dead writer's temporary names. Only while
         holding the folder's lock."""
-        for rel, ident in list(self.entries.items()):
-            if ident[0] != "t" or not ident[2]:
-                continue
-            d, _, name = rel.rpartition("/")
-            target = (f"{d}/" if d else "") + name[1:].rsplit(".tmp-", 1)[0]
+        for target, idents in list(self._renamed_temps().items()):
             path = os.path.join(self.root, target)
             try:
                 st = os.lstat(path)
@@ -250,9 +258,12 @@ class Ledger:
                 continue
             kind = "l" if stat.S_ISLNK(st.st_mode) else "f"
             mine = self.entries.get(target)
-            if not (mine and matches(mine, st, path)) and self._real_parents(target) and \
-                    matches([kind, *ident[1:]], st, path):
-                self.append(target, [kind, *ident[1:]])
+            if mine and matches(mine, st, path) or not self._real_parents(target):
+                continue
+            for ident in idents:
+                if matches([kind, *ident[1:]], st, path):
+                    self.append(target, [kind, *ident[1:]])
+                    break
 
     def _real_parents(self, rel):
         """Every folder on the way to `rel` is one the stage made and a real folder: a path through a link (planted, or
@@ -272,6 +283,7 @@ class Ledger:
                 self.fd = os.open(os.path.join(self.root, LEDGER),
                                   os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
             os.write(self.fd, line)  # one write with O_APPEND: replicas' lines never interleave
+            self.version += 1
             if ident is None:
                 self.entries.pop(rel, None)
             else:
