@@ -29,25 +29,23 @@ def armed(name):
     return os.environ.get("EAGLE3_INJECT_KILL", "").split(":")[0] == name
 
 
-def kill_point(name):
-    if not armed(name):
-        return
-    _, _, nth = os.environ["EAGLE3_INJECT_KILL"].partition(":")
+def _nth(key, nth):
+    """Whether this is the `nth` time (default the first) this process reaches `key`."""
     with _lock:
-        _counts[name] = _counts.get(name, 0) + 1
-        if _counts[name] == int(nth or 1):
-            os.kill(os.getpid(), signal.SIGKILL)
+        _counts[key] = _counts.get(key, 0) + 1
+        return _counts[key] == int(nth or 1)
+
+
+def kill_point(name):
+    if armed(name) and _nth("kill:" + name, os.environ["EAGLE3_INJECT_KILL"].partition(":")[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def signal_point(name):
     point, _, rest = os.environ.get("EAGLE3_INJECT_SIGNAL", "").partition(":")
-    if point != name:
-        return
     sig, _, nth = rest.partition(":")
-    with _lock:
-        _counts["signal:" + name] = _counts.get("signal:" + name, 0) + 1
-        if _counts["signal:" + name] == int(nth or 1):
-            os.kill(os.getpid(), getattr(signal, "SIG" + sig))
+    if point == name and _nth("signal:" + name, nth):
+        os.kill(os.getpid(), getattr(signal, "SIG" + sig))
 
 
 def oom_above():

@@ -250,20 +250,14 @@ class Ledger:
         """Record under its own name each finished temporary file a killed process renamed into place before it
         recorded the new name (_renamed_temp): the claim then forgets the dead writer's temporary names. Only while
         holding the folder's lock."""
-        for target, idents in list(self._renamed_temps().items()):
+        for target in list(self._renamed_temps()):
             path = os.path.join(self.root, target)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            kind = "l" if stat.S_ISLNK(st.st_mode) else "f"
             mine = self.entries.get(target)
-            if mine and matches(mine, st, path) or not self._real_parents(target):
+            try:
+                if not (mine and matches(mine, os.lstat(path), path)) and self._renamed_temp(target, path):
+                    self.append(target, identity(os.lstat(path), path))
+            except OSError:  # nothing at that name
                 continue
-            for ident in idents:
-                if matches([kind, *ident[1:]], st, path):
-                    self.append(target, [kind, *ident[1:]])
-                    break
 
     def _real_parents(self, rel):
         """Every folder on the way to `rel` is one the stage made and a real folder: a path through a link (planted, or

@@ -114,8 +114,9 @@ def install(src, path):
         forget(src)
         return
     ident = identity(os.lstat(src), src)
-    if ledger_of(src)[0] is led and TEMP.fullmatch(os.path.basename(src)):
-        led.append(ledger_of(src)[1], ["t", *ident[1:]])
+    src_led, src_rel = ledger_of(src)
+    if src_led is led and TEMP.fullmatch(os.path.basename(src)):
+        led.append(src_rel, ["t", *ident[1:]])
     elif not os.path.lexists(path):
         led.append(rel, ident)
     os.replace(src, path)
