@@ -24,7 +24,7 @@ CKPT=$WORK/checkpoints; LOG=$WORK/logs; TIMES=$WORK/times.txt
 [ ! -e "$TIMES" ] || { echo "$WORK holds an earlier run; use a fresh work dir" >&2; exit 2; }
 mkdir -p "$WORK" "$STAGING" "$LOG"
 
-# vLLM on CPU (DESIGN.md section 4): every core for the worker, none reserved; the CPU connector is imported from
+# vLLM on CPU (as eagle3pipe/engine.py sets it): every core for the worker, none reserved; the CPU connector is imported from
 # this repo by the spawned engine processes. No network: local model, loopback server.
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
