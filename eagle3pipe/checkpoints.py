@@ -8,7 +8,7 @@ import logging
 import os
 import time
 
-from . import faults, files, outdir
+from . import faults, files, mla_draft, outdir
 from .errors import RunError, UsageError
 from .ledger import ledger_of
 
@@ -279,9 +279,10 @@ def update_best(trainer, epoch, val_metrics, measure, by_loss):
                 outdir.record(str(trainer.checkpointer.path / name))
 
 
-def print_serve_command(args, out, text_cfg, on_cpu, arch="llama", architecture=None):
+def print_serve_command(args, out, text_cfg, on_cpu, arch, architecture=None):
     """The checkpoint, and the command that serves it with the vLLM installed here (or why it cannot here).
-    `architecture`: the verifier's (config.json), which the installed vLLM may have no EAGLE-3 support for."""
+    `arch`: the draft's layer (mla_draft.DraftArch); `architecture`: the verifier's (config.json), which the
+    installed vLLM may have no EAGLE-3 support for."""
     from .engine import eagle3_blocker, serve_command
     from .vllm_support import eagle3_refusal
     last = os.path.join(out, "last")
@@ -289,7 +290,7 @@ def print_serve_command(args, out, text_cfg, on_cpu, arch="llama", architecture=
     unserved = eagle3_refusal(architecture)
     if unserved:
         log.warning(f"{unserved}; serve it with a vLLM that has EAGLE-3 support for {architecture}")
-    blocker = eagle3_blocker(text_cfg, not on_cpu, mla_draft=arch == "deepseek")
+    blocker = eagle3_blocker(text_cfg, not on_cpu, mla_draft=arch.mla)
     where = f" (on a GPU machine: {blocker})" if blocker else ""
     elsewhere = bool(blocker) or not on_cpu  # a GPU machine serves with vLLM's GPU build, installed here or not
     print(f"serve it{where}: {serve_command(args.model_path, last, args.ttt_steps, elsewhere, text_cfg)}")
@@ -319,5 +320,6 @@ def finish(s, plan, out, previous, result, cfg, on_cpu, dtype, rank):
         inputs={"prepared_data": os.path.abspath(s.prepared_data), "hidden_states": "online" if s.online else
                 os.path.abspath(s.hidden_states), "vocab_mapping": os.path.abspath(s.vocab_mapping)},
         speculators_config=json.loads(json.dumps(cfg.flatten(), default=str)), **result))
-    print_serve_command(s, out, plan.text_cfg, on_cpu, plan.recipe["draft_arch"], plan.verifier.get("architecture"))
+    arch = mla_draft.arch_of(plan.recipe)
+    print_serve_command(s, out, plan.text_cfg, on_cpu, arch, plan.verifier.get("architecture"))
     return 0

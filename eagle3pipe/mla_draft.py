@@ -16,6 +16,7 @@ latent attention and a dense MLP, for DeepSeek-V3 / Kimi verifiers, served by vL
 """
 import json
 import os
+from dataclasses import dataclass
 
 MODEL_TYPE = "deepseek_v3"  # the draft layer config's model_type: transformers' DeepseekV3Config
 SERVED = "vllm"  # <checkpoint>/vllm: what vLLM loads
@@ -23,6 +24,25 @@ SERVED = "vllm"  # <checkpoint>/vllm: what vLLM loads
 KEYS = ("hidden_size", "num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
         "v_head_dim", "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
         "initializer_range", "vocab_size")
+
+
+@dataclass(frozen=True)
+class DraftArch:
+    """A draft decoder layer `--draft-arch` names (the recipe's `draft_arch`). `mla`: this module's layer, built from
+    a layer config written before training (speculators' `draft_config`), with no norm before the FC layer (vLLM's
+    MLA draft has the per-state fc_norm instead) and served through `vllm/`; the others are speculators' own layers,
+    named to it as `draft_arch`."""
+    name: str
+    mla: bool = False
+
+
+MLA_ARCH = DraftArch("deepseek", mla=True)
+ARCHS = {a.name: a for a in (DraftArch("llama"), DraftArch("qwen3"), MLA_ARCH)}
+
+
+def arch_of(recipe):
+    """The recipe's draft layer (a stage 04 recipe or manifest's `recipe`). -> DraftArch"""
+    return ARCHS[recipe["draft_arch"]]
 
 
 def is_mla(text_cfg):

@@ -15,6 +15,7 @@ from typing import Optional
 from . import engines
 from .errors import UsageError
 from .compute import CHOICES as DTYPES
+from .mla_draft import ARCHS
 
 STAGES = ("prepare", "extract", "vocab", "train", "evaluate")
 # the config key that names a stage's output folder (it is also the later stages' input flag)
@@ -183,7 +184,7 @@ class Train(Record):
     num_layers: int = rule(ge=1, le=32)
     ttt_steps: int = rule(ge=1)
     # the draft's recipe: speculators' own options, passed through (training.recipe)
-    draft_arch: str = rule(choices=("auto", "llama", "qwen3", "deepseek"))
+    draft_arch: str = rule(choices=("auto", *ARCHS))
     norm_before_fc: Optional[bool] = rule()  # None: on unless fc_norm (the two are exclusive)
     fc_norm: bool = rule()
     norm_output: bool = rule()

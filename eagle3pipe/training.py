@@ -11,7 +11,7 @@ import os
 import threading
 import time
 
-from . import checkpoints, files, outdir, train_data
+from . import checkpoints, files, mla_draft, outdir, train_data
 from .train_log import DenseLog
 from .errors import UsageError
 
@@ -30,18 +30,18 @@ def recipe(args, fp, text_cfg):
     fingerprint; `text_cfg`: its language model's config). `--draft-arch auto`: the verifier's own family where there
     is a draft layer for it: the MLA layer for an MLA verifier (DeepSeek-V3, Kimi) whose rope transformers and vLLM
     compute alike, Qwen3's for Qwen3, else Llama's."""
-    from . import mla_draft
-    arch = args.draft_arch
-    if arch == "auto" and mla_draft.is_mla(text_cfg):
+    name = args.draft_arch
+    if name == "auto" and mla_draft.is_mla(text_cfg):
         why = mla_draft.refusal(text_cfg)
-        arch = "llama" if why else "deepseek"
+        name = "llama" if why else mla_draft.MLA_ARCH.name
         if why:
             log.warning(f"--draft-arch auto: a Llama-style draft, not the MLA one: {why}")
-    elif arch == "auto":
-        arch = "qwen3" if str(fp.get("model_type") or "").startswith("qwen3") else "llama"
-    # the MLA draft's vLLM model has no norm before the FC layer (it has the per-state fc_norm)
-    nbf = args.norm_before_fc if args.norm_before_fc is not None else not args.fc_norm and arch != "deepseek"
-    return {"draft_arch": arch, "norm_before_fc": nbf, "fc_norm": args.fc_norm,
+    elif name == "auto":
+        name = "qwen3" if str(fp.get("model_type") or "").startswith("qwen3") else "llama"
+    nbf = args.norm_before_fc
+    if nbf is None:  # on unless the per-state fc_norm replaces it; vLLM's MLA draft has no norm before the FC layer
+        nbf = not args.fc_norm and not mla_draft.ARCHS[name].mla
+    return {"draft_arch": name, "norm_before_fc": nbf, "fc_norm": args.fc_norm,
             "norm_output": args.norm_output, "loss_fn": args.loss_fn, "ttt_step_loss_decay": args.ttt_step_loss_decay,
             "optimizer": args.optimizer, "scheduler_type": args.scheduler}
 
@@ -67,12 +67,11 @@ def rope_misfit(text_cfg):
 def check_draft_arch(recipe_, text_cfg, model_path=""):
     """--draft-arch deepseek needs an MLA verifier whose rope transformers and vLLM compute alike (mla_draft); the
     other drafts, a rope speculators can build (rope_misfit)."""
-    if recipe_["draft_arch"] != "deepseek":
+    if not mla_draft.arch_of(recipe_).mla:
         why = rope_misfit(text_cfg)
         if why:
             raise UsageError(f"--model-path {model_path}: speculators cannot build this verifier's draft: {why}")
         return
-    from . import mla_draft
     why = None if mla_draft.is_mla(text_cfg) else "the verifier has no MLA attention (no kv_lora_rank in its config)"
     why = why or mla_draft.refusal(text_cfg)
     if why:
@@ -226,8 +225,7 @@ DRAFT_LAYER = "draft_layer_config.json"  # an MLA draft's decoder-layer config, 
 def write_draft_layer(out, recipe_, text_cfg, num_layers):
     """Rank 0, before the data bridge the other ranks wait for: the MLA draft's layer config speculators builds it
     from (mla_draft.layer_config)."""
-    if recipe_["draft_arch"] == "deepseek":
-        from . import mla_draft
+    if mla_draft.arch_of(recipe_).mla:
         files.write_json(os.path.join(out, DRAFT_LAYER), mla_draft.layer_config(text_cfg, num_layers))
 
 
@@ -265,7 +263,7 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16
     if on_cpu:  # no Triton driver, no flex attention: torch's sdpa
         flat.update(draft_attn_impl="sdpa")
     flat.update(recipe_ or DEFAULT_RECIPE)
-    if flat["draft_arch"] == "deepseek":  # speculators' public draft_config: the MLA layer's (write_draft_layer)
+    if mla_draft.arch_of(flat).mla:  # speculators' public draft_config: the MLA layer's (write_draft_layer)
         flat.update(draft_config=os.path.join(os.path.abspath(args.output_dir), DRAFT_LAYER), draft_arch=None)
     flat["loss_implementation"] = choose_loss(args.loss_implementation, on_cpu, draft_vocab, args.ttt_steps,
                                               flat["loss_fn"])

@@ -123,3 +123,15 @@ def test_a_rope_whose_factor_lists_do_not_cover_the_whole_head_is_refused():
     assert training.rope_misfit({"hidden_size": 64, "num_attention_heads": 4, "partial_rotary_factor": 0.5}) is None
     qwen_vl = {"hidden_size": 64, "num_attention_heads": 4, "rope_scaling": {"mrope_section": [2, 3, 3]}}
     assert training.rope_misfit(qwen_vl) is None
+
+
+def test_every_draft_layer_is_a_choice_and_checked_where_served():
+    """The settings record's choices (04_train.py's flag takes the same) and the serve checks come from
+    mla_draft.ARCHS: a layer added there is a choice and has its vLLM model checked before training."""
+    import dataclasses
+    from eagle3pipe import settings
+    rule = next(f for f in dataclasses.fields(settings.Train) if f.name == "draft_arch").metadata
+    assert tuple(rule["choices"]) == ("auto", *mla_draft.ARCHS) == ("auto", "llama", "qwen3", "deepseek")
+    assert {f"draft_arch={name}" for name in mla_draft.ARCHS} <= set(adapters.SERVES)
+    assert [a.name for a in mla_draft.ARCHS.values() if a.mla] == [mla_draft.MLA_ARCH.name] == ["deepseek"]
+    assert mla_draft.arch_of({"draft_arch": "qwen3"}) == mla_draft.ARCHS["qwen3"] and not mla_draft.ARCHS["qwen3"].mla
