@@ -35,7 +35,7 @@ MODEL = "data/models/smollm2-135m-instruct"
 ARMS = {
     "baseline": [],
     "no-norm-before-fc": ["--no-norm-before-fc"],
-    "fc-norm": ["--fc-norm"],
+    "fc-norm": ["--fc-norm", "--no-norm-before-fc"],  # it replaces the norm the configs turn on
     "no-norm-output": ["--no-norm-output"],
     "qwen3-layer": ["--draft-arch", "qwen3"],
     **{f"loss-{n}": ["--loss-fn", n] for n in ("rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")},

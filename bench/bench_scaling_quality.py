@@ -9,6 +9,8 @@ package's ShareGPT conversations, every epoch measured on held-out prompts by th
     python -m bench.bench_scaling_quality carry   --work W --out D    # W's inputs, xz, in 30 MB parts (transfer limit)
     python -m bench.bench_scaling_quality uncarry --work W --src D
     python -m bench.bench_scaling_quality extract --work W --states S # stage 02 (HF, fp8) once, for every size
+    python -m bench.bench_scaling_quality check   --work W --runs ... [--extra ...]  # stage 04's flag checks,
+                                                # every run, in seconds (CPU): before any GPU time
     python -m bench.bench_scaling_quality train   --work W --states S --runs 300:10:0,1000:10:0,all:3:0 --parallel 4
     python -m bench.bench_scaling_quality measure --work W            # every epoch of every run, k=3 and k=5
     python -m bench.bench_scaling_quality pack    --work W --runs n300-s0,... --out D   # best epochs, bf16
@@ -133,21 +135,46 @@ def plan_runs(w, specs):
     return plans
 
 
+def train_argv(w, states, plan, extra):
+    """Stage 04's flags for one planned run."""
+    name, size, epochs, seed, tokens, flags = plan
+    return ["--config", CFG, "--prepared-data", f"{w}/prep", "--hidden-states", states, "--vocab-mapping",
+            f"{w}/vocab", "--output-dir", f"{w}/ck/{name}", "--epochs", epochs, "--seed", seed,
+            *([] if size == "all" else ["--num-samples", size]), *(["--total-seq-len", tokens] if tokens else []),
+            *flags, *extra]
+
+
+def check(w, states, runs, extra):
+    """Every run's flags through stage 04's own resolution (the config, the flags, their contradictions), in
+    seconds and on any machine: a run the GPU machine would refuse after stage 02 is refused here first."""
+    import importlib.util
+    from eagle3pipe.errors import UsageError
+    spec = importlib.util.spec_from_file_location("train04", os.path.join(REPO, "04_train.py"))
+    stage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage)
+    bad = 0
+    for plan in plan_runs(w, runs):
+        try:
+            stage.parse_args(train_argv(w, states, plan, extra))
+            print(f"{plan[0]}: flags ok")
+        except (UsageError, SystemExit) as e:
+            bad += 1
+            print(f"{plan[0]}: stage 04 refuses its flags: {e}")
+    if bad:
+        sys.exit(f"--runs: {bad} run(s) stage 04 would refuse")
+
+
 def train(w, states, runs, parallel, extra):
     import concurrent.futures
     os.makedirs(f"{w}/ck", exist_ok=True)
     plans = plan_runs(w, runs)
 
     def one(plan):
-        name, size, epochs, seed, tokens, flags = plan
+        name = plan[0]
         if os.path.isfile(f"{w}/ck/{name}/manifest.json"):
             return name, 0, "done earlier"
         log = f"{w}/logs/train_{name}.log"
-        code = py("04_train.py", "--config", CFG, "--prepared-data", f"{w}/prep", "--hidden-states", states,
-                  "--vocab-mapping", f"{w}/vocab", "--output-dir", f"{w}/ck/{name}", "--epochs", epochs, "--seed",
-                  seed, *([] if size == "all" else ["--num-samples", size]),
-                  *(["--total-seq-len", tokens] if tokens else []), *flags, *extra, log=log)
-        return name, code, log
+        return name, py("04_train.py", *train_argv(w, states, plan, extra), log=log), log
 
     open(f"{w}/training", "w").close()  # measure --watch runs while this exists
     try:
@@ -457,7 +484,7 @@ def study(w, states, parallel, plot):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("step", choices=["prepare", "carry", "uncarry", "extract", "train", "measure", "pack", "unpack",
+    p.add_argument("step", choices=["prepare", "carry", "uncarry", "extract", "check", "train", "measure", "pack", "unpack",
                                     "confirm", "report", "curve", "compare", "study"])
     p.add_argument("--work", required=True)
     p.add_argument("--states", default=None, help="stage 02's folder (default: W/hs)")
@@ -488,6 +515,8 @@ def main():
         uncarry(w, a.src)
     elif a.step == "extract":
         extract(w, states)
+    elif a.step == "check":
+        check(w, states, runs, a.extra.split())
     elif a.step == "train":
         train(w, states, runs, a.parallel, a.extra.split())
     elif a.step == "measure":

@@ -6,6 +6,8 @@
 # first part, the sha256s and the CPU machine's tokenizer files (tok.tar.xz); .gx/p1 the GGUF's other parts; .gx/in
 # the study's inputs (bench_scaling_quality carry).
 #   bash bench/scaling_gpu.sh local            # on this CPU machine, once: builds .whl/ and .gx/ (below)
+#   bash bench/scaling_gpu.sh check RUNS       # on this CPU machine: stage 04's flag checks for every run (EXTRA
+#                                              # too), in seconds; `go` repeats them before stage 02
 #   bash bench/scaling_gpu.sh setup OUT        # carry .whl .gx/p0: wheels; keeps p0 in /tmp/gx; where the states go
 #   bash bench/scaling_gpu.sh model OUT        # carry .gx/p1: the GGUF whole, the conversion, its sha256
 #   bash bench/scaling_gpu.sh go OUT RUNS SECONDS  # the inputs; stage 02 once (fp8), then the runs in parallel,
@@ -24,6 +26,10 @@
 # does not, they run in the foreground until SECONDS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = check ]; then  # a run stage 04 would refuse costs nothing here, and minutes after stage 02 there
+  exec .venv/bin/python -m bench.bench_scaling_quality check --work data/scale --runs "$2" \
+    --extra "${EXTRA:---num-workers 2 --measure-prompts 0}"
+fi
 if [ "${1:-}" = local ]; then  # the carries, from this machine's .venv (scripts/setup.sh) and data/scale
   set -e
   PY=.venv/bin/python
@@ -96,6 +102,7 @@ PY
   go)
     RUNS=$3; SECONDS_LEFT=$4; t0=$(date +%s)
     [ -d .gx/in ] && python3 -m bench.bench_scaling_quality uncarry --work $W --src .gx/in
+    python3 -m bench.bench_scaling_quality check --work $W --runs "$RUNS" --extra "${EXTRA:---num-workers 2 --measure-prompts 0}" || exit 1
     python3 -m bench.bench_scaling_quality extract --work $W --states "$STATES" || { tail -5 $W/logs/extract.log; exit 1; }
     tail -2 $W/logs/extract.log; df -h "$STATES" | tail -1
     left=$(( SECONDS_LEFT - ($(date +%s) - t0) ))
