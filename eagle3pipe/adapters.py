@@ -11,7 +11,8 @@ Why each one exists:
   group instead (the multi-node test runs two node ranks on one CPU machine).
 - `muon_in_float32`: torch's Muon orthogonalizes each update in bf16, hard-coded; on a CPU without native bf16
   that costs ~50x. With float32 compute the same iteration runs in float32.
-- `recorded_artifacts`: speculators writes run.yaml in place (through any link); here by rename, then recorded.
+- `recorded_artifacts`: speculators writes run.yaml in place (through any link) and its other files by unrecorded
+  temporaries; here each is made in a scratch folder and installed by rename, recorded first.
 - `speculators_entry`: speculators' CLI builds its Trainer and metric logger by module-level name; the pipeline's
   Trainer subclass and dense log line go in there for the run.
 - `loader_dataset`: speculators' loaders build `ArrowDataset` and `_worker_init_fn` by module-level name; the
@@ -358,8 +359,12 @@ ARTIFACTS = ("run.yaml", "train_command.txt", "speculators.patch")  # speculator
 
 @contextlib.contextmanager
 def recorded_artifacts(config_class):
-    """speculators writes its reproducibility files into the output folder at start (`TrainConfig.save`, plain
-    writes that would follow a link): only where nothing or our own file stands, and recorded right after."""
+    """speculators writes its reproducibility files into the output folder at start (`TrainConfig.save`: run.yaml in
+    place, through any link; train_command.txt and speculators.patch by its own unrecorded temporaries): here each
+    is written in a private scratch folder and installed by rename (outdir.install: recorded before the rename, only
+    where nothing or our own file stands), so a kill at any instant leaves only files the record proves ours."""
+    import shutil
+    import tempfile
     from . import outdir
     from .files import atomic_path
     from speculators.train.config.artifacts import dump_yaml
@@ -371,12 +376,14 @@ def recorded_artifacts(config_class):
             if os.path.lexists(p) and not outdir.owned(p):
                 raise RunError(f"{outdir.quote(p)}: is not this stage's file (a link, or someone else's); it is left "
                                f"alone: move it away and rerun")
-        with atomic_path(paths[0]) as tmp, open(tmp, "w", encoding="utf-8") as f:  # by rename, never in place
-            f.write(dump_yaml(self))
-        save_train_command(save_dir, argv=list(self.argv))
-        for p in paths:
-            if os.path.lexists(p):
-                outdir.record(p)
+        with tempfile.TemporaryDirectory(prefix="eagle3-artifacts-") as scratch:
+            with open(os.path.join(scratch, ARTIFACTS[0]), "w", encoding="utf-8") as f:
+                f.write(dump_yaml(self))
+            save_train_command(scratch, argv=list(self.argv))
+            for name, path in zip(ARTIFACTS, paths):
+                if os.path.isfile(os.path.join(scratch, name)):  # speculators.patch: only from a git checkout
+                    with atomic_path(path) as tmp:
+                        shutil.copyfile(os.path.join(scratch, name), tmp)
     with patch(config_class, "save", save):
         yield
 
