@@ -17,6 +17,7 @@ worst bug this project can have), each enforced here (the record in ledger.py, t
 - One writer per folder (locks.py): an advisory lock (`LOCK`) held for the whole run. `--shard` replicas share it
   and each holds its own shard lock; any other second run is refused with one line naming the process that holds it.
 """
+import errno
 import json
 import logging
 import os
@@ -42,14 +43,30 @@ def _real(path):
     return os.path.realpath(os.path.expanduser(path))
 
 
+def _dangling_links(flag, path):
+    """Refuse a path through a link that leads nowhere (a data -> /mnt/disk link while the disk is unmounted):
+    creating the folder would make the link's target, on whatever disk holds its parent. Every component is looked
+    at as the OS walks it, a trailing slash and a link loop included."""
+    given = os.path.expanduser(str(path))
+    walked = os.sep if os.path.isabs(given) else ""
+    for part in [c for c in given.split(os.sep) if c]:
+        walked = os.path.join(walked, part)
+        if os.path.islink(walked) and not os.path.exists(walked):
+            try:
+                os.stat(walked)
+                why = "which does not exist"
+            except OSError as e:
+                why = "a loop of links" if e.errno == errno.ELOOP else "which does not exist"
+            where = "" if os.path.normpath(walked) == os.path.normpath(given) else f" ({quote(walked)})"
+            raise UsageError(f"{flag} {path}: passes through a link{where} to {quote(os.readlink(walked))}, {why}; "
+                             f"give an existing folder or a new path")
+
+
 def check_path(flag, path, inputs=()):
     """The real output path, or a one-line refusal. `inputs`: [(flag, path)] of this run's local inputs."""
     if path is None or not str(path).strip():
         raise UsageError(f"{flag}: empty path; give a folder for this stage's output")
-    given = os.path.expanduser(path)
-    if os.path.islink(given) and not os.path.exists(given):  # writing there would make the link's target for it
-        raise UsageError(f"{flag} {path}: a link to {quote(os.readlink(given))}, which does not exist; give an existing "
-                         f"folder or a new path")
+    _dangling_links(flag, path)
     real = _real(path)
     for what, p in (("the filesystem root", "/"), ("your home folder", os.path.expanduser("~")),
                     ("the repository root", REPO), ("the working folder", os.getcwd())):
@@ -336,6 +353,14 @@ def check(flag, path, stage, inputs=(), shard=None):
             parent = os.path.dirname(parent)
         if not os.access(parent, os.W_OK):
             raise UsageError(f"{flag} {path}: cannot create it ({parent} is not writable)")
+        if os.statvfs(parent).f_blocks == 0:  # access() says yes there; mkdir fails, after all of the run's reading
+            raise UsageError(f"{flag} {path}: cannot create it ({parent} is on a filesystem that stores no files, "
+                             f"such as /proc or /sys)")
+        longest = os.pathconf(parent, "PC_NAME_MAX")
+        for part in os.path.relpath(real, parent).split(os.sep):
+            if len(os.fsencode(part)) > longest:
+                raise UsageError(f"{flag} {path}: cannot create it (a name of {len(os.fsencode(part))} bytes, "
+                                 f"'{quote(part[:24])}...'; its filesystem allows {longest})")
     return real
 
 

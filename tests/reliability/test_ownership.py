@@ -96,9 +96,23 @@ def test_an_output_inside_a_stage_folder_or_under_a_file_or_through_a_dangling_l
     with pytest.raises(UsageError, match=r"--output-dir .*afile/ev: .*afile is a file, not a folder"):
         outdir.check("--output-dir", str(tmp_path / "afile" / "ev"), "vocab")
     os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
-    with pytest.raises(UsageError, match=r"--output-dir .*dangling: a link to .*nowhere, which does not exist"):
-        outdir.check("--output-dir", str(tmp_path / "dangling"), "vocab")
+    # the link itself, with a trailing slash, or above the folder (data -> an unmounted disk): never its target made
+    for given in ("dangling", "dangling/", "dangling/prepared"):
+        with pytest.raises(UsageError, match=r"--output-dir .*dangling.*: passes through a link.* to .*nowhere, "
+                                             r"which does not exist"):
+            outdir.check("--output-dir", str(tmp_path / given), "vocab")
+    os.symlink("loopB", tmp_path / "loopA")
+    os.symlink("loopA", tmp_path / "loopB")
+    with pytest.raises(UsageError, match=r"loopA/x: passes through a link .*loopA.* to loopB, a loop of links"):
+        outdir.check("--output-dir", str(tmp_path / "loopA" / "x"), "vocab")
     assert not (tmp_path / "nowhere").exists() and (tmp_path / "afile").read_text() == "a person's file\n"
+    # what mkdir would refuse only after the run's reading: a filesystem that stores nothing, a name too long
+    with pytest.raises(UsageError, match=r"--output-dir /proc/eagle3-x: cannot create it \(/proc is on a filesystem "
+                                         r"that stores no files"):
+        outdir.check("--output-dir", "/proc/eagle3-x", "vocab")
+    with pytest.raises(UsageError, match=r"cannot create it \(a name of 300 bytes, 'aaa.*'; its filesystem allows"):
+        outdir.check("--output-dir", str(tmp_path / "new" / ("a" * 300)), "vocab")
+    assert not (tmp_path / "new").exists()
 
 
 def _child(code, **env):
