@@ -275,6 +275,12 @@ def _content(value, where, j):
     raise UsageError(f"{where}: message {j} content must be a string, got {type(value).__name__}")
 
 
+def _first(turn, *keys):
+    """The first of `keys` whose value is not null: Arrow gives a parquet of both formats every key in every message,
+    the other format's null."""
+    return next((turn[k] for k in keys if turn.get(k) is not None), None)
+
+
 def normalize(where, record):
     """One record -> (id or None, [{"role", "content"}]). Raises UsageError on malformed records."""
     if not isinstance(record, dict):
@@ -295,14 +301,14 @@ def normalize(where, record):
     for j, t in enumerate(turns):
         if not isinstance(t, dict):
             raise UsageError(f"{where}: message {j} must be an object, got {type(t).__name__}")
-        role = t.get(rkey, t.get("role", t.get("from")))
+        role = _first(t, rkey, "role", "from")
         if not isinstance(role, str):
             raise UsageError(f"{where}: message {j} has no '{rkey}' string")
         _text(role, where, f"message {j} role")
         if role.lower() not in ROLES:
             raise UsageError(f"{where}: message {j} has unknown role '{role}' "
                              f"(known: {', '.join(sorted(ROLES))})")
-        content = t.get(ckey, t.get("content", t.get("value")))  # the other format's key too, as for the role
+        content = _first(t, ckey, "content", "value")  # the other format's key too, as for the role
         if t.get("tool_calls") or t.get("function_call"):  # whatever its text: dropping the call would train
             # the draft on an answer that ends where the verifier calls a tool
             raise UsageError(f"{where}: message {j} is a tool call ('tool_calls'); tool calls are not supported: "

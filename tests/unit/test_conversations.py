@@ -39,6 +39,13 @@ def test_a_null_field_is_an_absent_one_and_reasoning_is_kept():
     _, msgs = conv.normalize("r", {"conversations": [{"from": "human", "value": "q"}], "messages": None})
     assert msgs == [{"role": "user", "content": "q"}]
     assert conv.normalize("r", {"conversations": None, "messages": None})[1] == []
+    # a parquet of both formats: every message has all four keys, the other format's null
+    both = {"from": None, "value": None, "role": "user", "content": "q"}, {"from": "gpt", "value": "a", "role": None,
+                                                                          "content": None}
+    assert conv.normalize("r", {"conversations": list(both)})[1] == [{"role": "user", "content": "q"},
+                                                                    {"role": "assistant", "content": "a"}]
+    assert conv.normalize("r", {"messages": list(both)})[1] == [{"role": "user", "content": "q"},
+                                                               {"role": "assistant", "content": "a"}]
     # a reasoning template renders it: dropping it trained an empty thinking block
     _, msgs = conv.normalize("r", {"messages": [{"role": "user", "content": "q"},
                                                 {"role": "assistant", "content": "A", "reasoning_content": "think"}]})
