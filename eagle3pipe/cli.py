@@ -221,7 +221,7 @@ MAX_ALIASES = 64  # anchors and aliases are fine in moderation; a "billion laugh
 
 def _yaml_loader():
     """yaml's SafeLoader, refusing a key given twice in one mapping (yaml itself keeps the last silently), a key that
-    is not a plain scalar, and more than MAX_ALIASES aliases."""
+    is not a plain scalar, and more than MAX_ALIASES aliases. Merge keys (`<<: *anchor`) work as in YAML."""
     import yaml
 
     class Loader(yaml.SafeLoader):
@@ -238,6 +238,8 @@ def _yaml_loader():
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: yaml merges it; a key given
+                    continue  # beside it overrides the merged one, as YAML says
                 if not isinstance(key_node, yaml.ScalarNode):
                     raise yaml.constructor.ConstructorError(
                         None, None, f"a key must be a plain name, not a {key_node.id} (line "
@@ -274,7 +276,7 @@ def load_config(path, section, own=None, origin=None):
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.load(f, Loader=_yaml_loader()) or {}
-    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: undecodable bytes, an int too long
         raise UsageError(f"--config {path}: not valid YAML ({' '.join(str(e).split())[:200]})")
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a mapping of keys to values at the top level")

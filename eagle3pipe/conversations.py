@@ -83,9 +83,15 @@ def _iter_jsonl(path):
                 rec = json.loads(line.rstrip("\r\n"))  # a line cut short is named at its end, not at column 1
             except json.JSONDecodeError as e:
                 raise UsageError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})")
+            except ValueError as e:  # Python's own limits on a value, such as an integer of over 4,300 digits
+                raise UsageError(f"{path}:{lineno}: unreadable JSON ({_first_words(e)})")
             except RecursionError:  # json.loads recurses once per '[' or '{'
                 raise UsageError(f"{path}:{lineno}: JSON nested too deep")
             yield f"{path}:{lineno}", rec
+
+
+def _first_words(error):
+    return " ".join(str(error).split())[:160]
 
 
 def _json_lines_inside(path):
@@ -121,6 +127,8 @@ def _iter_file(path, flag="--dataset"):
             raise UsageError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})")
         except json.JSONDecodeError as e:
             raise UsageError(f"{path}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
+        except ValueError as e:
+            raise UsageError(f"{path}: unreadable JSON ({_first_words(e)})")
         except RecursionError:
             raise UsageError(f"{path}: JSON nested too deep")
         if isinstance(data, dict) and ("conversations" in data or "messages" in data):

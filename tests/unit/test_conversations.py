@@ -86,6 +86,14 @@ def test_jsonl_errors_name_the_line(tmp_path):
     p.write_bytes(b'{"messages": []}\n\xff\xfe\n')
     with pytest.raises(UsageError, match=r"d.jsonl:2: not UTF-8"):
         list(conv.iter_records(str(p)))
+    # valid JSON Python will not read: an integer of over 4,300 digits, in a field no stage uses
+    big = '{"x": ' + "9" * 5000 + ', "messages": []}'
+    p.write_text(json.dumps({"messages": []}) + "\n" + big + "\n")
+    with pytest.raises(UsageError, match=r"d.jsonl:2: unreadable JSON \(Exceeds the limit \(4300 digits\)"):
+        list(conv.iter_records(str(p)))
+    (tmp_path / "d.json").write_text(f"[{big}]")
+    with pytest.raises(UsageError, match=r"d.json: unreadable JSON \(Exceeds the limit"):
+        list(conv.iter_records(str(tmp_path / "d.json")))
     p.write_bytes(b"")
     with pytest.raises(UsageError, match="file is empty"):
         list(conv.iter_records(str(p)))

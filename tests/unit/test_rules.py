@@ -198,6 +198,8 @@ def test_records_are_frozen_and_serialize():
     ("checkpoint_freq: .nan\n", "key 'checkpoint_freq' must be a number"),
     ("layer_ids: [2, x]\n", "key 'layer_ids' must be a list of integers"),
     ("[" * 5000 + "]" * 5000 + "\n", "not valid YAML"),
+    ("seed: " + "9" * 5000 + "\n", "not valid YAML (Exceeds the limit (4300 digits)"),  # Python's own limit
+    ("p: &p {lr: 0.1}\ntrain: {<<: *p, lr: 0.2, lr: 0.3}\n", "key 'lr' given twice"),  # beside a merge too
     ("[1, 2]: 3\n", "a key must be a plain name, not a sequence"),  # a list as a mapping key
     ("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\ne: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]\ng: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]\nh: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]\ni: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]\nepochs: *i\n", "more than 64 aliases"),  # a "billion laughs" expansion
     ("# x\n" * 300_000, "a config is at most 1,048,576 bytes"),
@@ -207,6 +209,16 @@ def test_config_file_refusals(tmp_path, text, needle):
     path.write_text(text)
     with pytest.raises(UsageError, match=needle.replace("(", "\\(").replace(")", "\\)").replace("[", "\\[")):
         cli.load_config(str(path), "train")
+
+
+def test_a_yaml_merge_key_gives_its_keys_and_a_key_beside_it_wins(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("_common: &common\n  lr: 0.01\n  epochs: 4\ntrain:\n  <<: *common\n  lr: 0.02\n")
+    with pytest.raises(UsageError, match="unknown key '_common"):  # the anchor's own key is checked like any
+        cli.load_config(str(path), "train")
+    path.write_text("train:\n  <<: {lr: 0.01, epochs: 4}\n  lr: 0.02\n")
+    got = cli.load_config(str(path), "train")
+    assert (got["lr"], got["epochs"]) == (0.02, 4)
 
 
 def test_every_failure_is_one_line_with_the_right_exit_code():
