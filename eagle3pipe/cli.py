@@ -322,6 +322,12 @@ def _check_key(path, key, value, allowed, where, kind):
     if key not in allowed:
         hint = difflib.get_close_matches(str(key), [str(k) for k in allowed], n=1)
         stage = f" (stage {where[:-1]} does not take it)" if where else ""
+        if key == "output_dir":  # a run-only flag: in a config, a stage's output folder is its product's key
+            from .settings import OUTPUT_KEY
+            named = OUTPUT_KEY.get(where[:-1]) if where else None
+            hint = [named] if named else []
+            stage = (" (a stage's output folder is named by its product's key: "
+                     f"{', '.join(f'{k}: {v}' for k, v in OUTPUT_KEY.items())})") if not named else stage
         raise UsageError(f"--config {path}: unknown key '{where}{key}'{stage}"
                          + (f"; did you mean '{hint[0]}'?" if hint else ""))
     if value is None:

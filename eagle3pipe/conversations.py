@@ -12,6 +12,7 @@ aside): anything else is refused by check_dataset, before the tokenizer loads.
 """
 import glob
 import json
+import logging
 import os
 import stat
 
@@ -144,12 +145,17 @@ def _iter_file(path, flag="--dataset"):
             yield f"{path}: record {i}", rec
     elif path.endswith(".parquet"):
         import pyarrow.parquet as pq
-        try:
-            rows = pq.read_table(path).to_pylist()
-        except Exception as e:
-            raise UsageError(f"{path}: cannot read parquet ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
-        for i, rec in enumerate(rows):
-            yield f"{path}: record {i}", rec
+        i = 0
+        try:  # in batches: --num-samples N reads N records' worth, not a whole file into memory
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
+                for rec in batch.to_pylist():
+                    yield f"{path}: record {i}", rec
+                    i += 1
+        except UsageError:
+            raise
+        except Exception as e:  # the file's own fault, where it is read (a cut file fails at its broken part)
+            raise UsageError(f"{path}: cannot read parquet{f' at record {i}' if i else ''} "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
 
 
 def iter_records(dataset, split="train", info=None, flag="--dataset"):
@@ -223,6 +229,9 @@ def check_dataset(dataset, flag="--dataset"):
     from .hub import HUB_ID, require_hub
     if dataset == SHAREGPT:
         sharegpt_file(flag)
+        if os.path.lexists(SHAREGPT):  # the name means the embedded data; a local one of that name is not read
+            logging.getLogger("eagle3").warning(f"{flag} {SHAREGPT}: the embedded ShareGPT; ./{SHAREGPT} here is not "
+                                                f"read (give {flag} ./{SHAREGPT} for it)")
     elif os.path.isdir(dataset):
         dataset_files(dataset, flag)
     elif os.path.isfile(dataset):

@@ -55,11 +55,17 @@ def plan(args):
     prepared = args.prepared_data if os.path.isdir(args.prepared_data) else heldout.recorded_prepared(drafts)
     prompts = heldout.select_prompts(args, skip, wheres, heldout.trained_ids(prepared), seen)
     # the one check that needs the tokenizer (transformers), after every cheap one and before the folder is taken
-    from .masks import load_tokenizer, prompt_ids
+    from .masks import PromptTooLong, load_tokenizer, prompt_ids
     tok = load_tokenizer(args.model_path, args.trust_remote_code)
-    ids = [prompt_ids(tok, p) for p in prompts]  # each render within the template's time budget
+    maxpos, ids = fp.get("max_position_embeddings"), []
+    for i, p in enumerate(prompts):  # each render within the template's time budget
+        try:
+            ids.append(prompt_ids(tok, p, maxpos if isinstance(maxpos, int) and maxpos > 0 else None))
+        except PromptTooLong as e:  # refused by its length alone, before minutes of tokenizing
+            raise cli.UsageError(f"--prompts {wheres[i]}: a prompt of {e}; the verifier's {maxpos} positions leave "
+                                 f"no room for an answer: give prompts without it")
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
-    max_len = draft_check.max_model_len(len(ids[longest]), args, fp.get("max_position_embeddings"), wheres[longest])
+    max_len = draft_check.max_model_len(len(ids[longest]), args, maxpos, wheres[longest])
     fewer = (f"--num-prompts {args.num_prompts}: {args.prompts} holds {len(prompts)} usable prompts after the first "
              f"{skip} records; evaluating those") if len(prompts) < args.num_prompts else None
     copied = (f"--prompts {args.prompts}: {seen['trained']} records carry the ids of records stage 01 trained on (a "

@@ -89,11 +89,33 @@ def probe_template(tok, records):
             pass
 
 
-def prompt_ids(tok, messages):
-    """The token ids of `messages` rendered with the generation prompt (what the verifier answers), within the
-    template's time budget."""
-    return _budgeted(tok, tok.apply_chat_template, messages, add_generation_prompt=True, tokenize=True,
-                     return_dict=True)["input_ids"]
+class PromptTooLong(Exception):
+    """A render too long, by its characters alone, for the tokens allowed: `least` tokens at the fewest."""
+
+    def __init__(self, least, chars):
+        super().__init__(f"at least {least:,} tokens ({chars:,} characters)")
+        self.least, self.chars = least, chars
+
+
+_longest_token = {}  # id(tokenizer) -> the most characters one token of its vocabulary stands for
+
+
+def longest_token(tok):
+    if id(tok) not in _longest_token:
+        _longest_token[id(tok)] = max((len(t) for t in tok.get_vocab()), default=1) or 1
+    return _longest_token[id(tok)]
+
+
+def prompt_ids(tok, messages, at_most=None):
+    """The token ids of `messages` rendered with the generation prompt (what the verifier answers), tokenized as
+    apply_chat_template tokenizes (no special tokens added). The render runs within the template's time budget, the
+    tokenizing after it: a long prompt's tokenizing is not the template's fault. `at_most`: a render longer than
+    `at_most` tokens could be, by its characters alone (each token stands for at most longest_token characters;
+    twice that, for a normalizer's sake), raises PromptTooLong without tokenizing: a 49 MB prompt took two minutes."""
+    text = _budgeted(tok, tok.apply_chat_template, messages, add_generation_prompt=True, tokenize=False)
+    if at_most is not None and len(text) > 2 * at_most * longest_token(tok):
+        raise PromptTooLong(len(text) // (2 * longest_token(tok)), len(text))
+    return tok(text, add_special_tokens=False)["input_ids"]
 
 
 MARK = "\u2063"  # appended to an answer to find where its text ends in a render: no template trims or parses it

@@ -176,14 +176,17 @@ def test_dry_run_checks_every_checkpoint_and_the_prompt_lengths_then_stops(model
     assert lines[0].startswith("error: --max-new-tokens 8180: the longest prompt (") and "8192" in lines[0], lines
     assert "the longest: " in lines[0], lines  # the record, to find it
     assert "vllm" not in p.heavy, p.heavy
-    # a prompt longer than the verifier's positions: no --max-new-tokens can help, so the line names the record
+    # a prompt longer than the verifier's positions: no --max-new-tokens can help, so the line names the record;
+    # this one (5 MB) by its characters alone, before any tokenizing (tokens decide nearer the limit:
+    # unit/test_rules.py::test_prompts_that_leave_no_room_for_an_answer_are_refused_by_their_tokens)
     huge = tmp_path / "huge.jsonl"
     huge.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
-                    + json.dumps({"messages": [{"role": "user", "content": "word " * 9000}]}) + "\n")
+                    + json.dumps({"messages": [{"role": "user", "content": "word " * 1_000_000}]}) + "\n")
     p, _ = run_script(*common, "--draft", str(out / "last"), "--prompts", str(huge), "--dry-run")
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
-    assert lines[0].startswith(f"error: --prompts {huge}:2: a prompt of ") and "leave no room" in lines[0], lines
+    assert lines[0].startswith(f"error: --prompts {huge}:2: a prompt of at least ") and "characters)" in lines[0] \
+        and "leave no room" in lines[0], lines
     # fewer usable prompts than --num-prompts: one warning line, and the run goes on with those
     few = tmp_path / "few.jsonl"
     few.write_text("".join(json.dumps({"messages": [{"role": "assistant", "content": "Hello!"},

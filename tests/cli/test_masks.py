@@ -251,3 +251,21 @@ def test_a_tokenizer_without_offsets_never_cuts_a_marker():
     assert ids == tok(tok.apply_chat_template(CONV, tokenize=False), add_special_tokens=False)["input_ids"]
     assert masked_spans(tok, ids, mask) == ["I am a helpful assistant.<|end|>\n",
                                             "2+2 equals 4.<|end|>\n<|endoftext|>"]
+
+
+def test_a_prompt_is_tokenized_as_the_template_tokenizes_it_and_one_far_too_long_is_refused_by_its_characters(
+        tokenizer):
+    """prompt_ids renders within the template's time budget and tokenizes after it, as apply_chat_template does;
+    a render longer in characters than `at_most` tokens could cover is refused without tokenizing (stage 05's
+    dry run took two minutes over a 49 MB prompt, then blamed the template's time limit)."""
+    for conv in (CONV[:1], CONV[:3], [{"role": "system", "content": "Be brief."}, CONV[0]]):
+        want = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert masks.prompt_ids(tokenizer, conv) == masks.prompt_ids(tokenizer, conv, at_most=8192) == \
+            want["input_ids"]
+    huge = [{"role": "user", "content": "word " * 400_000}]  # 2 MB: far more than 8,192 tokens' worth
+    with pytest.raises(masks.PromptTooLong) as e:
+        masks.prompt_ids(tokenizer, huge, at_most=8192)
+    assert e.value.least > 8192 and e.value.chars > 2_000_000
+    assert str(e.value).startswith("at least ") and "characters" in str(e.value)
+    at_limit = [{"role": "user", "content": "word " * 2000}]  # tokens, not characters, decide near the limit
+    assert len(masks.prompt_ids(tokenizer, at_limit, at_most=2048)) > 2000

@@ -129,3 +129,35 @@ def test_a_json_file_is_read_as_what_it_holds_not_as_its_first_bytes_look(tmp_pa
         got = list(conv.iter_records(str(tmp_path / name)))
         want = 1 if name.startswith("one_") else 2
         assert [r for _, r in got] == [rec] * want, name
+
+
+def test_parquet_is_read_in_batches_with_both_formats_and_a_broken_file_is_named(tmp_path):
+    """A parquet of both chat formats (Arrow gives every message all four keys, the other format's null) reads
+    as each record's own format; records come batch by batch, so taking the first few reads no more; a file that
+    is not parquet is one line naming it."""
+    import itertools
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]} if i % 2 else
+            {"conversations": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(600)]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=100)
+    got = [conv.normalize(w, r)[1] for w, r in itertools.islice(conv.iter_records(str(path)), 3)]
+    assert got == [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(3)]
+    assert sum(1 for _ in conv.iter_records(str(path))) == 600
+    bad = tmp_path / "cut.parquet"
+    bad.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(UsageError, match=r"cut.parquet: cannot read parquet"):
+        list(conv.iter_records(str(bad)))
+
+
+def test_the_name_sharegpt_is_the_embedded_data_and_a_local_folder_of_that_name_is_said_not_read(tmp_path,
+                                                                                                 monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    conv.check_dataset("sharegpt")
+    assert "not read" not in caplog.text
+    (tmp_path / "sharegpt").mkdir()
+    conv.check_dataset("sharegpt")
+    assert "--dataset sharegpt: the embedded ShareGPT; ./sharegpt here is not read (give --dataset ./sharegpt" \
+        in caplog.text

@@ -195,6 +195,10 @@ def test_records_are_frozen_and_serialize():
     ("prepare:\n  total_seq_len: 4\n", "unknown key 'prepare.total_seq_len' (stage prepare does not take it)"),
     ("vocab:\n  model_path: x\n", "unknown key 'vocab.model_path'"),
     ("extract:\n  dry_run: true\n", "unknown key 'extract.dry_run'"),
+    ("output_dir: x\n", "unknown key 'output_dir' (a stage's output folder is named by its product's key: prepare: "
+                        "prepared_data, extract: hidden_states, vocab: vocab_mapping, train: checkpoint_dir"),
+    ("vocab:\n  output_dir: x\n", "unknown key 'vocab.output_dir' (stage vocab does not take it); did you mean "
+                                  "'vocab_mapping'?"),
     ("checkpoint_freq: .nan\n", "key 'checkpoint_freq' must be a number"),
     ("layer_ids: [2, x]\n", "key 'layer_ids' must be a list of integers"),
     ("[" * 5000 + "]" * 5000 + "\n", "not valid YAML"),
@@ -683,3 +687,20 @@ def test_a_measure_that_fails_leaves_checkpoint_best_to_the_estimate(tmp_path, c
     assert len(warned) == 1 and "checkpoint_best follows the trainer's estimate" in warned[0], warned
     assert measure.failed and os.readlink(d / "checkpoint_best") == "1"
     assert "acceptance_measure" not in json.load(open(d / "1" / "val_metrics.json"))
+
+
+def test_prompts_that_leave_no_room_for_an_answer_are_refused_by_their_tokens():
+    """Stage 05's max_model_len from the longest prompt's tokens: a prompt the verifier's positions cannot answer at
+    all names its record; one that --max-new-tokens pushes past them names that flag and the most it can be."""
+    from types import SimpleNamespace
+    from eagle3pipe import draft_check
+    args = SimpleNamespace(num_speculative_tokens=3, max_new_tokens=100, prompts="p.jsonl")
+    assert draft_check.max_model_len(1000, args, 8192, "p.jsonl:1") == 1000 + 100 + 3 + 8
+    assert draft_check.max_model_len(8085, args, 8192, "p.jsonl:1") == 8192  # never past the verifier's own
+    with pytest.raises(UsageError, match=r"--prompts p.jsonl:2: a prompt of 8189 tokens; with --num-speculative-tokens"
+                                         r" 3 the verifier's 8192 positions leave no room for an answer"):
+        draft_check.max_model_len(8189, args, 8192, "p.jsonl:2")
+    with pytest.raises(UsageError, match=r"--max-new-tokens 100: the longest prompt \(8100 tokens\) .* lower "
+                                         r"--max-new-tokens to at most 89, .*\(the longest: p.jsonl:3\)"):
+        draft_check.max_model_len(8100, args, 8192, "p.jsonl:3")
+    assert draft_check.max_model_len(50, args, None) == 50 + 100 + 3 + 8  # no positions in the config: vLLM's call
