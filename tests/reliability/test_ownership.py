@@ -152,26 +152,28 @@ def test_a_kill_between_a_rename_and_its_record_leaves_what_the_record_proves_ou
 
 def test_speculators_reproducibility_files_are_installed_and_recorded_never_written_in_place(tmp_path):
     """speculators' TrainConfig.save (run.yaml, train_command.txt, and speculators.patch from a git checkout) goes
-    through adapters.recorded_artifacts: killed right after its second file's rename (train_command.txt, which
-    speculators once wrote itself), the rerun finds every file there the stage's by the record and nothing of
-    speculators' own making (its temporaries went to a scratch folder); a link put at one of those names mid-run
-    is refused, its target untouched."""
+    through adapters.recorded_artifacts: a link put at one of those names is refused, its target untouched; killed
+    right after its second file's rename (train_command.txt, which speculators once wrote itself), the rerun's claim
+    finds every file there the stage's by the record, and nothing of speculators' own making (its temporaries go to
+    a scratch folder)."""
     import signal
     d = tmp_path / "ck"
     target, link = tmp_path / "a person's notes.txt", d / "train_command.txt"
     target.write_text("keep me\n")
-    save = (f"outdir.claim('--output-dir', {str(d)!r}, 'train'); from eagle3pipe import adapters; import os; "
-            f"from speculators.train.config import TrainConfig; "
-            f"cfg = TrainConfig.from_flat({{'verifier_name_or_path': 'v', 'data_path': 'd', 'save_path': {str(d)!r}}}); "
-            f"ctx = adapters.recorded_artifacts(TrainConfig); ctx.__enter__(); ")
-    p = _child(save + f"cfg.save({str(d)!r})", EAGLE3_INJECT_KILL="installed:2")
+    p = _child(f"import os; outdir.claim('--output-dir', {str(d)!r}, 'train'); from eagle3pipe import adapters; "
+               f"from speculators.train.config import TrainConfig; "
+               f"cfg = TrainConfig.from_flat({{'verifier_name_or_path': 'v', 'data_path': 'd', 'save_path': {str(d)!r}}}); "
+               f"ctx = adapters.recorded_artifacts(TrainConfig); ctx.__enter__(); "
+               f"os.symlink({str(target)!r}, {str(link)!r})\n"
+               f"try: cfg.save({str(d)!r})\nexcept Exception as e: print('refused:', e, flush=True)\n"
+               f"os.unlink({str(link)!r}); cfg.save({str(d)!r})", EAGLE3_INJECT_KILL="installed:2")
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
-    p = _child(save + f"print(sorted((n, outdir.owned(os.path.join({str(d)!r}, n))) for n in os.listdir({str(d)!r}) "
-               f"if not n.startswith('.eagle3')), flush=True); os.unlink({str(link)!r}); "
-               f"os.symlink({str(target)!r}, {str(link)!r}); cfg.save({str(d)!r})")
+    assert f"refused: {link}: is not this stage's file" in p.stdout, p.stdout[-2000:]
+    assert target.read_text() == "keep me\n"
+    p = _child(f"import os; outdir.claim('--output-dir', {str(d)!r}, 'train'); print(sorted((n, outdir.owned("
+               f"os.path.join({str(d)!r}, n))) for n in os.listdir({str(d)!r}) if not n.startswith('.eagle3')))")
+    assert p.returncode == 0, p.stderr[-2000:]
     got = dict(eval(p.stdout.strip().splitlines()[-1]))
     assert {"run.yaml", "train_command.txt"} <= set(got) <= {"run.yaml", "train_command.txt", "speculators.patch"}
     assert all(got.values()), got  # every file there is the stage's: no stray temporary of speculators'
     assert "verifier_name_or_path: v" in (d / "run.yaml").read_text().replace("'", "")
-    assert p.returncode != 0 and f"{link}: is not this stage's file" in p.stderr, p.stderr[-2000:]
-    assert target.read_text() == "keep me\n" and os.path.islink(link)
