@@ -298,8 +298,10 @@ def _first(turn, *keys):
     return next((turn[k] for k in keys if turn.get(k) is not None), None)
 
 
-def normalize(where, record):
-    """One record -> (id or None, [{"role", "content"}]). Raises UsageError on malformed records."""
+def normalize(where, record, through_first_user=False):
+    """One record -> (id or None, [{"role", "content"}]). Raises UsageError on malformed records.
+    `through_first_user`: read no message past the first user turn (stage 05's prompt): what comes later, a tool call
+    included, is not looked at."""
     if not isinstance(record, dict):
         raise UsageError(f"{where}: expected a JSON object, got {type(record).__name__}")
     # a null field is an absent one: Arrow (parquet, hub datasets) fills the other format's column with null
@@ -334,6 +336,8 @@ def normalize(where, record):
         if isinstance(t.get("reasoning_content"), str):  # reasoning templates render it (Qwen3, DeepSeek-R1, Kimi)
             message["reasoning_content"] = _text(t["reasoning_content"], where, f"message {j} reasoning_content")
         messages.append(message)
+        if through_first_user and message["role"] == "user":
+            break
     rid = record.get("id", record.get("conversation_id"))
     if isinstance(rid, str):
         rid = _text(rid, where, "'id'")

@@ -134,7 +134,7 @@ def select_prompts(args, skip, wheres=None, trained=frozenset(), seen=None):
         n += 1
         if n <= skip:
             continue
-        rid, msgs = normalize(where, rec)
+        rid, msgs = normalize(where, rec, through_first_user=True)  # later turns are not the prompt's business
         if trained and rid in trained:
             if seen is not None:
                 seen["trained"] = seen.get("trained", 0) + 1

@@ -210,6 +210,13 @@ def test_a_prompt_is_the_first_user_turn_after_any_system_turn(tmp_path):
     got = heldout.select_prompts(argparse.Namespace(prompts=str(data), num_prompts=5), 0, wheres)
     assert got == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]]
     assert wheres == [f"{data}:1"]
+    # what follows the prompt is not read: a later tool call (which stage 01 refuses) does not cost the record
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Weather in Paris?"},
+                                             {"role": "assistant", "content": None,
+                                              "tool_calls": [{"id": "1", "type": "function"}]},
+                                             {"role": "function", "content": "sunny"}]}) + "\n")
+    assert heldout.select_prompts(argparse.Namespace(prompts=str(data), num_prompts=5), 0) == [
+        [{"role": "user", "content": "Weather in Paris?"}]]
 
 
 def test_a_copy_of_the_training_records_under_another_path_is_not_taken_as_held_out(stages, trained, model_path,
