@@ -16,6 +16,7 @@ The full text is tokenized whole, as the verifier's engine tokenizes it; a token
 answer's span.
 """
 import os
+import weakref
 
 from .deadlines import TemplateTimeout, template_seconds, time_budget
 from .errors import UsageError
@@ -97,13 +98,13 @@ class PromptTooLong(Exception):
         self.least, self.chars = least, chars
 
 
-_longest_token = {}  # id(tokenizer) -> the most characters one token of its vocabulary stands for
+_longest_token = weakref.WeakKeyDictionary()  # tokenizer -> the most characters one token of its vocabulary covers
 
 
 def longest_token(tok):
-    if id(tok) not in _longest_token:
-        _longest_token[id(tok)] = max((len(t) for t in tok.get_vocab()), default=1) or 1
-    return _longest_token[id(tok)]
+    if tok not in _longest_token:
+        _longest_token[tok] = max((len(t) for t in tok.get_vocab()), default=1) or 1
+    return _longest_token[tok]
 
 
 def prompt_ids(tok, messages, at_most=None):
