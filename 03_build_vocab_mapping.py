@@ -14,6 +14,7 @@ Prints the fraction of loss-masked training tokens the draft vocab covers. The o
 earlier stage 03 output: only this stage's own files are replaced.
 """
 import os
+import re
 
 from eagle3pipe import cli, files, outdir
 
@@ -43,6 +44,10 @@ def main():
     if not 1 <= args.draft_vocab_size <= vocab:
         raise cli.UsageError(f"--draft-vocab-size {args.draft_vocab_size}: must be between 1 and the verifier "
                              f"vocab size {vocab}")
+    named = re.search(r"(\d{3,})$", os.path.basename(os.path.normpath(args.output_dir)))
+    if named and int(named.group(1)) != args.draft_vocab_size:  # a config's folder, another size by flag
+        log.warning(f"--output-dir {args.output_dir}: its name says {int(named.group(1)):,} tokens; this map has "
+                    f"{args.draft_vocab_size:,} (its manifest says so, and stage 04 reads that)")
 
     import numpy as np
     from eagle3pipe.vocab import build_mapping

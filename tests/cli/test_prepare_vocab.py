@@ -54,10 +54,12 @@ def test_prepare_is_deterministic_and_replaces_its_own_output(prepared, model_pa
 
 
 def test_vocab_map(prepared, tmp_path):
-    out = tmp_path / "vm"
+    # a folder whose name carries another size (a config's vocab_mapping, a flag's --draft-vocab-size): said
+    out = tmp_path / "vm_8192"
     p, _ = run_script("03_build_vocab_mapping.py", "--prepared-data", str(prepared), "--draft-vocab-size",
                       "2000", "--output-dir", str(out))
     assert p.returncode == 0, p.stderr
+    assert f"--output-dir {out}: its name says 8,192 tokens; this map has 2,000" in p.stderr, p.stderr
     d2t, t2d = np.load(out / "d2t.npy"), np.load(out / "t2d.npy")
     freq = np.load(prepared / "token_freq.npy")
     assert d2t.shape == (2000,) and t2d.shape == (49152,) and t2d.sum() == 2000
