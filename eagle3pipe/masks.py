@@ -249,7 +249,10 @@ def tokenize_conversation(tok, messages, max_seq_len):
     each segment a tokenizer's start-of-text treatment: SentencePiece-style tokenizers (Llama-2, Mistral) prepend a
     space to each, tokens the verifier never generates. A tokenizer without offsets is tokenized by segment."""
     full = render(tok, messages, False)
-    whole = _offsets(tok, full)
+    # a render far longer than max_seq_len tokens could cover is tokenized only that far (a 49 MB record took 144 s
+    # whole): the cut lies at least max_seq_len + 1 tokens past the last token kept, where it changes none of them
+    cap = 2 * (max_seq_len + 1) * longest_token(tok)
+    whole = _offsets(tok, full[:cap] if len(full) > cap else full)
     limit = whole[1][max_seq_len][0] if whole is not None and len(whole[0]) > max_seq_len else None
     full, spans, unaligned = assistant_spans(tok, messages, full, limit)
     ids, mask = [], []

@@ -269,3 +269,17 @@ def test_a_prompt_is_tokenized_as_the_template_tokenizes_it_and_one_far_too_long
     assert str(e.value).startswith("at least ") and "characters" in str(e.value)
     at_limit = [{"role": "user", "content": "word " * 2000}]  # tokens, not characters, decide near the limit
     assert len(masks.prompt_ids(tokenizer, at_limit, at_most=2048)) > 2000
+
+
+def test_a_record_far_longer_than_max_seq_len_is_tokenized_only_as_far_as_it_matters(tokenizer, monkeypatch):
+    """Past 2 x (max_seq_len + 1) x the longest token's characters the render is not tokenized (a 49 MB record took
+    144 s whole): the rows, masks and truncation are what the whole render gives."""
+    conv = [{"role": "user", "content": "Summarize this log."},
+            {"role": "assistant", "content": " ".join(f"line {i}: status ok, {i * 7 % 13} retries" for i in range(3000))},
+            {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "You're welcome."}]
+    for max_len in (64, 300):
+        cut = masks.tokenize_conversation(tokenizer, conv, max_len)
+        with monkeypatch.context() as m:
+            m.setattr(masks, "longest_token", lambda tok: 10 ** 9)  # no cut: the whole render tokenized
+            whole = masks.tokenize_conversation(tokenizer, conv, max_len)
+        assert cut == whole and cut[2]["truncated"] and len(cut[0]) == max_len and sum(cut[1]) > 0
