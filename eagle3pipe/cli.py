@@ -198,8 +198,9 @@ class Parser(argparse.ArgumentParser):
 
 def int_list(text):
     """`2,15,27` or `2 15 27` -> [2, 15, 27]."""
-    try:
-        values = [int(x) for x in re.split(r"[,\s]+", text.strip()) if x]
+    parts = re.split(r"\s*,\s*|\s+", text.strip())
+    try:  # an empty item ("2,,15", "2,15,") is a typo that would drop a layer: refused, not skipped
+        values = [int(x) for x in parts] if all(parts) else None
     except ValueError:
         values = None
     if not values:  # an empty list would silently mean the default

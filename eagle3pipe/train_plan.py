@@ -42,7 +42,8 @@ class Device:
 
 
 def check_device(s):
-    """--device, --loss-implementation and --num-workers against this machine (one nvidia-smi call, no torch)."""
+    """--device, --loss-implementation, --fsdp and --num-workers against this machine and launch (one nvidia-smi
+    call, no torch)."""
     from .compute import visible_gpus
     gpus = visible_gpus()
     if s.device == "cuda" and not gpus:
@@ -53,6 +54,10 @@ def check_device(s):
     if s.loss_implementation == "fused" and not on_gpu:
         raise UsageError("--loss-implementation fused: speculators' fused loss is a Triton kernel, which needs a GPU; "
                          "training here runs on the CPU: use auto or eager")
+    if s.fsdp and "LOCAL_RANK" not in os.environ:  # speculators' own check comes after the data is bridged, exit 1
+        raise UsageError("--fsdp: shards the draft across the ranks of a torchrun launch, and this process was not "
+                         "started by torchrun (no LOCAL_RANK): launch with `torchrun --nproc-per-node N 04_train.py "
+                         "...`, or drop --fsdp")
     cores = len(os.sched_getaffinity(0))
     if s.num_workers is not None and s.num_workers > 2 * cores:
         raise UsageError(f"--num-workers {s.num_workers}: more than twice the {cores} CPU cores this process may use; "

@@ -56,6 +56,8 @@ def _no_gpu():
 PREFLIGHT = [
     (["--device", "cuda"], ["--device cuda: no GPU visible here"]),
     (["--device", "cpu", "--loss-implementation", "fused"], ["--loss-implementation fused", "needs a GPU"]),
+    # speculators' own check named its own flag, exit 1, after the data was bridged into the folder
+    (["--fsdp"], ["--fsdp: shards the draft across the ranks of a torchrun launch", "not started by torchrun"]),
     (["--total-seq-len", str(10**12)], [f"--total-seq-len {10**12}: one step needs at least", "use at most"]),
     (["--ttt-steps", "100000"], ["--ttt-steps 100000: at most 16", "acceptance decays"]),
     (["--epochs", "100000"], ["--epochs 100000: at most 1000"]),

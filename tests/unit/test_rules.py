@@ -704,3 +704,11 @@ def test_prompts_that_leave_no_room_for_an_answer_are_refused_by_their_tokens():
                                          r"--max-new-tokens to at most 89, .*\(the longest: p.jsonl:3\)"):
         draft_check.max_model_len(8100, args, 8192, "p.jsonl:3")
     assert draft_check.max_model_len(50, args, None) == 50 + 100 + 3 + 8  # no positions in the config: vLLM's call
+
+
+def test_a_list_of_layer_ids_with_an_empty_item_is_refused_not_shortened():
+    import argparse
+    assert cli.int_list("2,15,27") == cli.int_list("2 15 27") == cli.int_list(" 2, 15 ,27 ") == [2, 15, 27]
+    for typo in ("2,,15", "2,15,", ",2", "", ","):  # "2,,15" was read as [2, 15]: a layer dropped in silence
+        with pytest.raises(argparse.ArgumentTypeError, match="expected integers separated by commas"):
+            cli.int_list(typo)
