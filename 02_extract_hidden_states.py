@@ -60,7 +60,8 @@ def main():
     print(preflight.format_plan(plan), flush=True)
     # every row is read and checked before anything is written (the dry run, in seconds, trusts stage 01's manifest)
     rows = None if args.dry_run else [ids for ids, _ in read_rows(
-        os.path.dirname(plan.jsonl), plan.rows, plan.verifier["vocab_size"], masks=False)]
+        os.path.dirname(plan.jsonl), plan.rows, plan.verifier["vocab_size"], masks=False,
+        longest=plan.prepared_manifest["counts"]["max_row_tokens"])]
     preflight.check_unchanged("--prepared-data", plan.jsonl, plan.prepared_manifest)  # after the rows: a bad one named
     identity, out = prepare_output(args, plan)  # refuses another run's folder, --dry-run included; takes the lock
     for warning in (plan.compute.warning, plan.warning):  # after every refusal: a refusal stays one line

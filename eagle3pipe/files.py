@@ -285,10 +285,11 @@ class Rows(list):
     digest = None
 
 
-def read_rows(folder, expected, vocab_size=None, masks=True):
+def read_rows(folder, expected, vocab_size=None, masks=True, longest=None):
     """Stage 01's rows, each checked before any model loads (a hand edit that breaks a row is named by its line):
     token ids are integers (inside the verifier's vocabulary when `vocab_size` is given), masks 0/1 of equal
-    length; `expected`: the row count stage 01's manifest gives."""
+    length; `expected`: the row count stage 01's manifest gives; `longest`: its longest row, which stage 02's
+    --max-seq-len and memory plan were checked against."""
     import hashlib
     path, rows, h = os.path.join(folder, "tokenized_data.jsonl"), Rows(), hashlib.sha256()
     rerun = f"rerun {STAGE_SCRIPTS['prepare']}"
@@ -312,5 +313,9 @@ def read_rows(folder, expected, vocab_size=None, masks=True):
             rows.append((ids, mask if masks else None))
     if len(rows) != expected:
         raise UsageError(f"{path}: {len(rows)} rows, its manifest says {expected}; {rerun}")
+    if longest is not None and rows and max(len(r[0]) for r in rows) != longest:
+        at = max(range(len(rows)), key=lambda i: len(rows[i][0]))
+        raise UsageError(f"{path}: its longest row (line {at + 1}) has {len(rows[at][0])} tokens, its manifest says "
+                         f"{longest}; {rerun}")
     rows.digest = h.hexdigest()[:16]
     return rows

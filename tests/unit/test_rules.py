@@ -550,6 +550,21 @@ def test_stage01_rows_are_integers_inside_the_vocabulary(tmp_path, ids):
         files.read_rows(str(tmp_path), 1, vocab_size=49152)
 
 
+def test_stage01_rows_longer_or_shorter_than_their_manifest_says_are_refused(tmp_path):
+    """Stage 02 checks --max-seq-len and plans memory by the manifest's longest row: a hand edit of either side
+    (a row lengthened, the count lowered) ran rows past --max-seq-len with exit 0."""
+    import json
+    from eagle3pipe import files
+    rows = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    (tmp_path / "tokenized_data.jsonl").write_text("".join(json.dumps({"input_ids": r, "loss_mask": [1] * len(r)})
+                                                           + "\n" for r in rows))
+    assert len(files.read_rows(str(tmp_path), 3, longest=5)) == 3
+    for said in (4, 100):
+        with pytest.raises(UsageError, match=f"tokenized_data.jsonl: its longest row \\(line 2\\) has 5 tokens, its "
+                                             f"manifest says {said}; rerun 01_prepare_dataset.py"):
+            files.read_rows(str(tmp_path), 3, longest=said)
+
+
 def test_the_validation_split_leaves_rows_on_both_sides():
     from eagle3pipe import train_data
     train_data.check_split(24, 0.05)
