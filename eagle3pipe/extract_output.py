@@ -28,6 +28,17 @@ def prepare_output(args, plan):
                 "storage_dtype": {"bf16": "bfloat16"}.get(args.storage_dtype, args.storage_dtype)}
     if args.shard and os.path.isdir(out) and not args.overwrite:  # every replica splits the rows the same way
         import re
+        done = os.path.join(out, files.MANIFEST)
+        if os.path.isfile(done) and not os.path.islink(done):  # a finished run: its manifest's split is the split
+            try:
+                split = files.read_json(done).get("counts", {}).get("shards", 1)
+            except (UsageError, ValueError, AttributeError):
+                split = None  # not a manifest to go by: the ownership checks name it
+            if split is not None and split != args.shard[1]:
+                raise UsageError(f"--shard {args.shard[0]}/{args.shard[1]}: {out} holds a finished run split "
+                                 f"{split} way{'s' if split != 1 else ''} (its {files.MANIFEST}); a replica of "
+                                 f"another split would take that manifest away until every replica ran: "
+                                 f"{'drop --shard' if split == 1 else f'give --shard I/{split}'}, or --overwrite")
         for name in sorted(os.listdir(out)):
             m = re.fullmatch(r"\.(?:eagle3\.)?shard-(\d+)-of-(\d+)\.(?:json|lock)", name)
             if m and int(m.group(2)) != args.shard[1]:
