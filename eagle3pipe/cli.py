@@ -387,14 +387,16 @@ _CONFIGURED = None  # (fields only the config gave, its path, their keys): set b
 
 
 def _named_by_config(error, from_config, path, origin):
-    """`error` ("--flag value: why") about a field only the config set -> the same about its key in the config
-    ('train.lr', or 'lr' at the top level: where the operator finds it)."""
+    """`error` ("--flag value: why", "--a and --b: why") about fields only the config set -> the same about their
+    keys in the config ('train.lr', or 'lr' at the top level: where the operator finds it); a flag typed stays."""
     msg = str(error)
+    head, sep, rest = msg.partition(": ")  # what the line is about: "--lr 0.5", "--norm-before-fc and --fc-norm"
+    named = head
     for field in from_config:
-        flag = "--" + field.replace("_", "-")
-        if field in origin and msg.startswith((flag + " ", flag + ":")):
-            return UsageError(f"--config {path}: key '{origin[field]}'{msg[len(flag):]}")
-    return error
+        if field in origin:
+            named = re.sub(rf"(?<![\w-])--{re.escape(field.replace('_', '-'))}(?![\w-])",
+                           lambda m: f"key '{origin[field]}'", named)
+    return UsageError(f"--config {path}: {named}{sep}{rest}") if named != head else error
 
 
 class _OneLine(logging.Formatter):

@@ -727,3 +727,20 @@ def test_a_list_of_layer_ids_with_an_empty_item_is_refused_not_shortened():
     for typo in ("2,,15", "2,15,", ",2", "", ","):  # "2,,15" was read as [2, 15]: a layer dropped in silence
         with pytest.raises(argparse.ArgumentTypeError, match="expected integers separated by commas"):
             cli.int_list(typo)
+
+
+def test_a_check_about_two_settings_names_each_as_the_operator_gave_it():
+    """A contradiction between two config keys named one of them as a flag nobody typed."""
+    err = UsageError("--norm-before-fc and --fc-norm: one norm before the FC projection or the other, not both "
+                     "(--fc-norm alone turns the first off)")
+    origin = {"norm_before_fc": "train.norm_before_fc", "fc_norm": "train.fc_norm"}
+    both = cli._named_by_config(err, {"norm_before_fc", "fc_norm"}, "c.yaml", origin)
+    assert str(both) == ("--config c.yaml: key 'train.norm_before_fc' and key 'train.fc_norm': one norm before the "
+                         "FC projection or the other, not both (--fc-norm alone turns the first off)")
+    one = cli._named_by_config(err, {"norm_before_fc"}, "c.yaml", origin)  # --fc-norm typed: named as typed
+    assert str(one).startswith("--config c.yaml: key 'train.norm_before_fc' and --fc-norm: one norm")
+    assert cli._named_by_config(err, set(), "c.yaml", origin) is err
+    lr = cli._named_by_config(UsageError("--lr -1.0: must be greater than 0"), {"lr"}, "c.yaml", {"lr": "train.lr"})
+    assert str(lr) == "--config c.yaml: key 'train.lr' -1.0: must be greater than 0"
+    # a flag whose name another's begins with is not touched
+    assert cli._named_by_config(UsageError("--lr-x 1: no"), {"lr"}, "c.yaml", {"lr": "lr"}).args[0] == "--lr-x 1: no"
