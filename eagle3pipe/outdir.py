@@ -43,6 +43,23 @@ def _real(path):
     return os.path.realpath(os.path.expanduser(path))
 
 
+# the kernel's own filesystems: writable to access(), where no folder can be made (ramfs and tmpfs, whose statvfs
+# can say 0 blocks too, are real places to write)
+PSEUDO_FS = {"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs", "bpf", "pstore",
+             "efivarfs", "fusectl", "binfmt_misc", "mqueue", "devpts"}
+
+
+def _fs_type(real):
+    """The type of the filesystem mounted deepest above the real path `real` (/proc/self/mounts), or None."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return None
+    held = [(m.replace("\\040", " "), kind) for m, kind in mounts if _inside(real, m.replace("\\040", " "))]
+    return max(held, key=lambda mk: len(mk[0]))[1] if held else None
+
+
 def _dangling_links(flag, path):
     """Refuse a path through a link that leads nowhere (a data -> /mnt/disk link while the disk is unmounted):
     creating the folder would make the link's target, on whatever disk holds its parent. Every component is looked
@@ -353,9 +370,10 @@ def check(flag, path, stage, inputs=(), shard=None):
             parent = os.path.dirname(parent)
         if not os.access(parent, os.W_OK):
             raise UsageError(f"{flag} {path}: cannot create it ({parent} is not writable)")
-        if os.statvfs(parent).f_blocks == 0:  # access() says yes there; mkdir fails, after all of the run's reading
-            raise UsageError(f"{flag} {path}: cannot create it ({parent} is on a filesystem that stores no files, "
-                             f"such as /proc or /sys)")
+        kind = _fs_type(parent)
+        if kind in PSEUDO_FS:  # access() says yes there; mkdir fails, after all of the run's reading
+            raise UsageError(f"{flag} {path}: cannot create it ({parent} is on {kind}, a filesystem that stores no "
+                             f"files)")
         longest = os.pathconf(parent, "PC_NAME_MAX")
         for part in os.path.relpath(real, parent).split(os.sep):
             if len(os.fsencode(part)) > longest:

@@ -107,9 +107,11 @@ def test_an_output_inside_a_stage_folder_or_under_a_file_or_through_a_dangling_l
         outdir.check("--output-dir", str(tmp_path / "loopA" / "x"), "vocab")
     assert not (tmp_path / "nowhere").exists() and (tmp_path / "afile").read_text() == "a person's file\n"
     # what mkdir would refuse only after the run's reading: a filesystem that stores nothing, a name too long
-    with pytest.raises(UsageError, match=r"--output-dir /proc/eagle3-x: cannot create it \(/proc is on a filesystem "
-                                         r"that stores no files"):
+    with pytest.raises(UsageError, match=r"--output-dir /proc/eagle3-x: cannot create it \(/proc is on proc, a "
+                                         r"filesystem that stores no files"):
         outdir.check("--output-dir", "/proc/eagle3-x", "vocab")
+    if os.path.isdir("/dev/shm"):  # memory-backed, and a real place to write
+        assert outdir.check("--output-dir", "/dev/shm/eagle3-never-made", "vocab") == "/dev/shm/eagle3-never-made"
     with pytest.raises(UsageError, match=r"cannot create it \(a name of 300 bytes, 'aaa.*'; its filesystem allows"):
         outdir.check("--output-dir", str(tmp_path / "new" / ("a" * 300)), "vocab")
     assert not (tmp_path / "new").exists()
