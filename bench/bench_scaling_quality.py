@@ -147,11 +147,9 @@ def train_argv(w, states, plan, extra):
 def check(w, states, runs, extra):
     """Every run's flags through stage 04's own resolution (the config, the flags, their contradictions), in
     seconds and on any machine: a run the GPU machine would refuse after stage 02 is refused here first."""
-    import importlib.util
+    from eagle3pipe.cli import load_script
     from eagle3pipe.errors import UsageError
-    spec = importlib.util.spec_from_file_location("train04", os.path.join(REPO, "04_train.py"))
-    stage = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stage)
+    stage = load_script("04_train.py")
     bad = 0
     for plan in plan_runs(w, runs):
         try:

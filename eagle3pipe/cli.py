@@ -196,6 +196,17 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def load_script(name):
+    """A numbered script of this repository (e.g. "04_train.py") imported as a module, for its parse_args, without
+    running its main()."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)
+    spec = importlib.util.spec_from_file_location("stage" + name.split("_")[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def int_list(text):
     """`2,15,27` or `2 15 27` -> [2, 15, 27]."""
     parts = re.split(r"\s*,\s*|\s+", text.strip())
@@ -325,10 +336,11 @@ def _check_key(path, key, value, allowed, where, kind):
         stage = f" (stage {where[:-1]} does not take it)" if where else ""
         if key == "output_dir":  # a run-only flag: in a config, a stage's output folder is its product's key
             from .settings import OUTPUT_KEY
-            named = OUTPUT_KEY.get(where[:-1]) if where else None
-            hint = [named] if named else []
-            stage = (" (a stage's output folder is named by its product's key: "
-                     f"{', '.join(f'{k}: {v}' for k, v in OUTPUT_KEY.items())})") if not named else stage
+            if where:
+                hint = [OUTPUT_KEY[where[:-1]]]
+            else:
+                stage = (" (a stage's output folder is named by its product's key: "
+                         f"{', '.join(f'{k}: {v}' for k, v in OUTPUT_KEY.items())})")
         raise UsageError(f"--config {path}: unknown key '{where}{key}'{stage}"
                          + (f"; did you mean '{hint[0]}'?" if hint else ""))
     if value is None:

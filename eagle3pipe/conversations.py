@@ -151,8 +151,6 @@ def _iter_file(path, flag="--dataset"):
                 for rec in batch.to_pylist():
                     yield f"{path}: record {i}", rec
                     i += 1
-        except UsageError:
-            raise
         except Exception as e:  # the file's own fault, where it is read (a cut file fails at its broken part)
             raise UsageError(f"{path}: cannot read parquet{f' at record {i}' if i else ''} "
                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")

@@ -58,9 +58,10 @@ def plan(args):
     from .masks import PromptTooLong, load_tokenizer, prompt_ids
     tok = load_tokenizer(args.model_path, args.trust_remote_code)
     maxpos, ids = fp.get("max_position_embeddings"), []
+    at_most = maxpos if isinstance(maxpos, int) and maxpos > 0 else None
     for i, p in enumerate(prompts):  # each render within the template's time budget
         try:
-            ids.append(prompt_ids(tok, p, maxpos if isinstance(maxpos, int) and maxpos > 0 else None))
+            ids.append(prompt_ids(tok, p, at_most))
         except PromptTooLong as e:  # refused by its length alone, before minutes of tokenizing
             raise cli.UsageError(f"--prompts {wheres[i]}: a prompt of {e}; the verifier's {maxpos} positions leave "
                                  f"no room for an answer: give prompts without it")

@@ -49,15 +49,6 @@ ENV_HELP = (f"{ME} runs this stage in the background, in its own process group, 
             f"--tp-size (8; none with --backend hf) and --batch-size (4); PYTHON is the interpreter.")
 
 
-def _stage():
-    """Stage 02's script as a module (its parse_args), without running it."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("stage02", os.path.join(outdir.REPO, STAGE))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def env_int(name, default=None):
     """A positive integer from the environment (one line naming the variable otherwise); `default` when unset."""
     text = os.environ.get(name, "")
@@ -284,7 +275,7 @@ def _interrupt(signum, frame):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     sys.argv[0] = ME  # the parser's name in its messages, and what the folder's lock names while this launcher holds it
-    stage = _stage()
+    stage = cli.load_script(STAGE)
     if "-h" in argv or "--help" in argv:
         try:
             stage.parse_args(["--help"])

@@ -56,7 +56,7 @@ def _fs_type(real):
             mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
     except OSError:
         return None
-    held = [(m.replace("\\040", " "), kind) for m, kind in mounts if _inside(real, m.replace("\\040", " "))]
+    held = [(m, kind) for m, kind in ((m.replace("\\040", " "), kind) for m, kind in mounts) if _inside(real, m)]
     return max(held, key=lambda mk: len(mk[0]))[1] if held else None
 
 

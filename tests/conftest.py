@@ -10,7 +10,6 @@ Tiers are folders, and each test is marked with its folder's name (so `-m unit` 
 Stage 01 runs once per data shape: `stages` (24 rows of <= 512 tokens, with stages 02 and 03), `prep` (12 rows of
 <= 256, and `hf_out` its HF-extracted states), `small` (12 rows of <= 512, with stage 03), `ds` (a random
 DeepSeek-V3 verifier, 8 rows of <= 256, HF-extracted)."""
-import importlib.util
 import json
 import os
 import stat
@@ -29,11 +28,8 @@ sys.path.insert(0, REPO)
 
 def load_script(name):
     """Import a numbered script as a module (its parse_args) without running main()."""
-    path = os.path.join(REPO, name)
-    spec = importlib.util.spec_from_file_location(name.replace(".py", "").replace("0", "s0", 1), path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from eagle3pipe.cli import load_script as load
+    return load(name)
 
 
 def run_script(*args, cwd=REPO, timeout=900, env=None):
