@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", type=cli.int_list, default=[1, 8], help="e.g. 1,8")
     cli.add_dtype_flag(p, "the verifier and the draft")
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of each GPU vLLM may use (on a GPU; vLLM's own default)")
     p.add_argument("--output-dir", default="data/eval", help="stage 05 output folder")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--measure", choices=["auto", "on", "off"], default="auto",

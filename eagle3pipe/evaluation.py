@@ -252,12 +252,13 @@ def explain(diffs, n):
 
 
 def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, *, dtype, log_path, draft=None, k=3,
-               max_model_len=4096, on_gpu=False, tp=1, trust_remote_code=False, reference=None):
+               max_model_len=4096, on_gpu=False, tp=1, trust_remote_code=False, reference=None,
+               gpu_memory_utilization=0.9):
     """Greedy generation at each batch size (prompts submitted b at a time) -> {b: figures}. With `reference` (the
     batch-1 outputs without the draft), results[1]["divergences"] explains each output that differs. `dtype`: the
     compute dtype of verifier and draft (compute.py); `log_path`: the engine's output."""
     from .engine import make_llm
-    kw = {}
+    kw = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {}  # vLLM's CPU sizes its cache apart
     if draft:
         from .mla_draft import served_path
         kw["speculative_config"] = {"method": "eagle3", "model": served_path(draft), "num_speculative_tokens": k}
@@ -307,6 +308,7 @@ def run(args, plan, log_path):
     -> (sizes, baseline figures by batch size, the best draft's figures by batch size, ranking, measure)."""
     sizes = sorted(set([1] + args.batch_sizes))
     common = dict(max_model_len=plan.max_model_len, on_gpu=bool(plan.gpus), tp=args.tp_size,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
                   trust_remote_code=args.trust_remote_code, dtype=plan.dtype.dtype, log_path=log_path)
     base = run_engine(args.model_path, plan.ids, sizes, args.max_new_tokens, **common)
 

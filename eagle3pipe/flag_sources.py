@@ -7,8 +7,8 @@ line naming both sides, when the operator gave it explicitly, or when a config g
 stage's section, or a top-level key no other stage takes) and an explicit flag is what makes it meaningless
 (`train: {hidden_states: X}` in a config, `--online` typed). A top-level key other stages take too is shared: an
 explicit flag that voids it for this stage wins, as flags win over a config (the shipped configs' `hidden_states`,
-stage 02's output, beside `04_train.py --online`; the Kimi config's `tp_size`, stage 05's too, beside stage 02's
-`--backend hf`). Between two keys of one config it is accepted.
+stage 02's output, beside `04_train.py --online`; the Kimi config's `tp_size` and `gpu_memory_utilization`, stage
+05's too, beside stage 02's `--backend hf`). Between two keys of one config it is accepted.
 """
 from . import engines
 from .errors import UsageError

@@ -191,13 +191,15 @@ def open_append(path, flags=os.O_WRONLY | os.O_APPEND, handed_on=False):
 
 
 def finish():
-    """At a normal exit: the logs this process appended to are finished files again (size, time and head hash), so
-    the folder still counts as the stage's after it is copied elsewhere with its times kept."""
+    """At a normal exit: the logs this process appended to are recorded with their first bytes as they are now, so
+    the folder still counts as the stage's after it is copied elsewhere (cp -a, rsync -a). They stay logs that grow:
+    vLLM's engine processes and its exit handlers in this one write their shutdown lines to the engine's log after
+    this (recorded as finished files, a copy of such a folder was refused as changed since the stage made it)."""
     for path in sorted(_growing):
         led, rel = ledger_of(path)
         if led is not None and led.owns(rel):
             try:
-                record(path)
+                record(path, "g")
             except OSError:
                 pass
     _growing.clear()

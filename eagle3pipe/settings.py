@@ -284,6 +284,7 @@ class Evaluate(Record):
     max_new_tokens: int = rule(ge=1)
     batch_sizes: list[int] = rule(ge=1, le=4096)  # vLLM's max_num_seqs: its buffers are sized by the largest
     tp_size: int = rule(ge=1)
+    gpu_memory_utilization: float = rule(gt=0, le=1)
     output_dir: str = rule(path=True)
     trust_remote_code: bool = rule()
     dtype: str = rule(choices=DTYPES)

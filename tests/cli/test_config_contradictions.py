@@ -66,6 +66,8 @@ def test_keys_of_one_config_voiding_each_other_are_accepted(tmp_path):
     ("04_train.py", "hidden_states: {t}/hs\n", ["--online"]),
     # the Kimi config's tp_size serves stage 05 too; stage 02 on a CPU runs --backend hf
     ("02_extract_hidden_states.py", "tp_size: 8\n", ["--backend", "hf", "--dry-run"]),
+    # likewise its gpu_memory_utilization, stage 05's engine's too: the shipped Kimi and Llama configs were refused
+    ("02_extract_hidden_states.py", "gpu_memory_utilization: 0.85\n", ["--backend", "hf", "--dry-run"]),
 ])
 def test_a_top_level_key_an_explicit_flag_voids_gives_way(tmp_path, script, config, argv):
     (tmp_path / "c.yaml").write_text(f"model_path: {MODEL}\nprepared_data: {tmp_path}/none\n"

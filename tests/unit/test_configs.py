@@ -22,6 +22,21 @@ def test_every_config_through_every_parser(script, config):
     assert getattr(args, "model_path", cfg["model_path"]) == cfg["model_path"]
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
+def test_every_config_takes_either_extraction_backend(config):
+    """A shipped config's vLLM settings (`gpu_memory_utilization`, `tp_size`) serve stage 05's engine too, so
+    `--backend hf` beside them (stage 02 on a machine without vLLM's GPU build) gives way instead of asking the
+    operator to edit the file; stage 05 takes the same values."""
+    import yaml
+    extract = load_script("02_extract_hidden_states.py")
+    for backend in ("hf", "vllm"):
+        assert extract.parse_args(["--config", config, "--backend", backend]).backend == backend
+    cfg = yaml.safe_load(open(config))
+    evaluate = load_script("05_evaluate.py").parse_args(["--config", config])
+    assert evaluate.gpu_memory_utilization == cfg.get("gpu_memory_utilization", 0.9)
+    assert evaluate.tp_size == cfg.get("tp_size", 1)
+
+
 def test_flags_win_over_config():
     cfg = os.path.join(REPO, "configs", "smollm2-135m.yaml")
     mod = load_script("01_prepare_dataset.py")

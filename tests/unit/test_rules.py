@@ -507,6 +507,25 @@ def test_a_copied_log_of_a_killed_run_is_still_the_stage_s(tmp_path):
     assert not outdir.Ledger.load(str(copy)).owns("run.log")
 
 
+def test_a_copied_log_written_after_the_stage_finished_is_still_the_stage_s(tmp_path):
+    """vLLM's engine processes and exit handlers write their shutdown lines to the engine's log after the stage has
+    finished: a copy of the folder (cp -a) still holds the stage's log, and a file of other first bytes is not."""
+    import shutil
+    d = tmp_path / "out"
+    _claim(d)
+    log_path = str(d / "engine.log")
+    fd = outdir.open_append(log_path)
+    os.write(fd, b"==== the engine starts\n")
+    outdir.finish()  # the stage ends normally; the engine's processes still hold the file
+    os.write(fd, b"[shutdown] EngineCore: exiting\n")
+    os.close(fd)
+    copy = tmp_path / "copy"
+    shutil.copytree(d, copy, symlinks=True)
+    assert outdir.Ledger.load(str(copy)).owns("engine.log")
+    (copy / "engine.log").write_text("==== someone else's file, and longer than the stage's\n")
+    assert not outdir.Ledger.load(str(copy)).owns("engine.log")
+
+
 def _verifier(folder, seed=0):
     """A small verifier folder as a stage reads it before anything loads: config.json and a safetensors file."""
     import json
