@@ -76,6 +76,8 @@ def run(main, exit_now=False):
     traceback first. `exit_now`: once main() has returned (its files written, its lock no longer needed), leave
     without waiting for the interpreter's shutdown, which in stage 04 waits minutes on data-loader and compile
     worker processes and their semaphores."""
+    from . import inherited
+    inherited.guard()  # before anything opens a file: a closed fd 1 would otherwise become the lock or the record
     _stop_on_signals()
     try:
         code = main()
@@ -390,7 +392,9 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
     global _CONFIGURED
     _CONFIGURED = (from_config, known.config, origin) if known.config is not None else None
     from .deadlines import check_environment
+    from .inherited import check
     check_environment()
+    check()
     refuse_contradictions(section, record, given, from_config, known.config, own - set(given), origin)
     return record
 

@@ -20,6 +20,7 @@ from .errors import UsageError
 
 
 MOST = 86400.0  # seconds: a day; past it a limit is no deadline (and setitimer overflows long before 1e12)
+LEAST = 0.01
 # the environment's knobs of waits: (name, default, least); every stage checks them all at once (check_environment)
 KNOBS = {"EAGLE3_HUB_TIMEOUT_S": 30.0, "EAGLE3_TEMPLATE_TIMEOUT_S": 10.0, "EAGLE3_LIFELINE_GRACE": 5.0}
 
@@ -32,9 +33,10 @@ def _seconds(name, default, zero_ok=False):
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0) and value <= MOST):
-        raise UsageError(f"{name}={text}: expected a number of seconds, {'at least 0' if zero_ok else 'above 0'} and "
-                         f"at most {MOST:g}")
+    # a limit below LEAST is no limit anyone meant (1e-300 was taken, and a template then blamed for a slow render)
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value >= LEAST) and value <= MOST):
+        least = 0 if zero_ok else LEAST
+        raise UsageError(f"{name}={text}: expected a number of seconds, at least {least:g} and at most {MOST:g}")
     return value
 
 

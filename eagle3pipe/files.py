@@ -6,6 +6,7 @@ manifest is always complete. Which files a folder's stage owns: ledger.py and ou
 """
 import contextlib
 import datetime
+import errno
 import importlib.metadata
 import json
 import os
@@ -38,6 +39,15 @@ def atomic_path(path):
     try:
         yield tmp
         outdir.install(tmp, path)
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        # a write's failure names no file (a full disk under tokenized_data.jsonl); numpy's short write has no
+        # errno either ("32768 requested and 24560 written"): the line names the file and what to do
+        if e.errno is None:
+            raise OSError(errno.ENOSPC, f"a write stopped short ({e}): the disk is full, or a quota or ulimit -f "
+                                        f"was reached", path) from e
+        raise OSError(e.errno, e.strerror, path) from e
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)

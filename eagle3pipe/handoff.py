@@ -42,13 +42,21 @@ def handed():
     return bool(_locks)
 
 
-def lock_for(fd):
+def lock_for(fd, mode):
     """A new descriptor of the lock the launcher holds for this process on the file `fd` is open on, or None. The lock
-    belongs to the launcher's open file, which this process shares: no second lock is taken (it would conflict)."""
+    belongs to the launcher's open file, which this process shares: no second lock is taken (it would conflict).
+    That it does hold `mode` is asked of the kernel (a lock an open file already holds is granted again at once): a
+    variable naming a descriptor of the right file that holds no lock (set by hand, with another run holding the
+    folder) is refused by the other run's lock, not trusted."""
+    import fcntl
     st = os.fstat(fd)
     for held in _locks:
         h = os.fstat(held)
         if (h.st_dev, h.st_ino) == (st.st_dev, st.st_ino):
+            try:
+                fcntl.flock(held, mode | fcntl.LOCK_NB)
+            except OSError:
+                return None
             return os.dup(held)
     return None
 

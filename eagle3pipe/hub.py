@@ -48,7 +48,8 @@ def require_hub(flag, name, local="folder", instead="give a local model folder")
     answer within 2 s), instead of the libraries' tens of seconds of retries."""
     from huggingface_hub import constants
     why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else
-           None if hub_reachable() else f"the hub ({urlsplit(hub_endpoint()).hostname}) cannot be reached")
+           None if hub_reachable() else f"the hub ({urlsplit(hub_endpoint()).hostname or hub_endpoint()}) cannot be "
+                                        f"reached")
     if why:
         raise UsageError(f"{flag} {name}: not a local {local}, not in the local HF cache, and {why}; {instead}")
 

@@ -197,8 +197,11 @@ class Ledger:
         except OSError:
             return
         with os.fdopen(fd, "rb") as f:
+            new = os.fstat(f.fileno()).st_size - self.offset
             f.seek(self.offset)
-            data = f.read(MAX_LEDGER)
+            # what was appended, not read(MAX_LEDGER): that reserves a GiB each time, and under `ulimit -v` (as on
+            # many clusters) the stage failed at its end as "out of memory"
+            data = f.read(min(max(new, 0), MAX_LEDGER))
         data = data[:data.rfind(b"\n") + 1]
         try:
             with _mutex:

@@ -83,7 +83,7 @@ def try_lock(folder, name, mode, create):
         return None, True
     fd = open_plain(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY, UsageError, "cannot be the lock",
                      "a stage never opens a link it did not make: remove it and rerun")
-    handed = handoff.lock_for(fd)  # the launcher that started this process took this lock for it (launch.py)
+    handed = handoff.lock_for(fd, mode)  # the launcher that started this process took this lock for it (launch.py)
     if handed is not None:
         os.close(fd)
         return handed, True

@@ -43,6 +43,7 @@ def _start(s, p, out, spool):
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")  # our connector and hf_server import from here
+    env["PYTHONSAFEPATH"] = "1"  # `python -m` puts the current folder first: a json.py there would run in the engine
     if p.on_gpu:
         env["CUDA_VISIBLE_DEVICES"] = p.engine_cvd
     else:

@@ -29,4 +29,7 @@ if ! command -v "$PY" >/dev/null; then
 fi
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 9))' 2>/dev/null \
   || fail "${PYTHON:+PYTHON=}" "$PY" "not a Python 3.9+ interpreter"
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m eagle3pipe.launch "$@"
+# not `python -m`: that puts the current folder first on the module path, and a json.py (or another checkout's
+# eagle3pipe/) in the folder you launch from would run in its place
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -c \
+  'import sys; del sys.path[0]; from eagle3pipe import cli, launch; cli.run(launch.main)' "$@"

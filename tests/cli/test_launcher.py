@@ -50,6 +50,17 @@ def base(model_path, prep, out):
             "--max-seq-len", "256"]
 
 
+def test_a_module_in_the_folder_it_is_launched_from_does_not_run(model_path, prep, tmp_path):
+    """`python -m` puts the current folder first on the module path: a json.py (or another checkout's eagle3pipe/)
+    where the operator stands ran in the launcher's place."""
+    here = tmp_path / "here"
+    (here / "eagle3pipe").mkdir(parents=True)
+    (here / "json.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\nraise SystemExit('shadowed')\n")
+    p = launch(*base(model_path, prep, tmp_path / "hs"), "--dry-run", cwd=here)
+    assert p.returncode == 0 and "plan:" in p.stdout, p.stdout + p.stderr
+    assert not (tmp_path / "ran").exists()
+
+
 def test_help_once_and_dry_run_start_and_write_nothing(model_path, prep, tmp_path):
     out = tmp_path / "hs"
     p = launch("--help", *base(model_path, prep, out))

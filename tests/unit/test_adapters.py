@@ -52,7 +52,8 @@ def test_every_replacement_is_undone_when_its_block_ends():
 
 # documented settings of another library's object, meant to be written by its users
 PUBLIC_SETTINGS = {"daemon_threads",  # socketserver.ThreadingMixIn's, documented to be set per server
-                   "name_or_path"}    # speculators' VerifierConfig field (a pydantic model's public field)
+                   "name_or_path",    # speculators' VerifierConfig field (a pydantic model's public field)
+                   "stdout", "stderr"}  # sys's, documented to be replaced (inherited.guard)
 
 
 def _replacements(text, name):

@@ -526,6 +526,21 @@ def test_a_copied_log_written_after_the_stage_finished_is_still_the_stage_s(tmp_
     assert not outdir.Ledger.load(str(copy)).owns("engine.log")
 
 
+def test_reading_the_record_reserves_what_it_holds_not_a_gib(tmp_path):
+    """Each refresh read the record with read(1 << 30): a GiB of address space reserved, so under `ulimit -v` (as on
+    many clusters) a stage failed at its end as out of memory. Under a 400 MiB limit it reads as it should."""
+    import subprocess
+    d = tmp_path / "out"
+    _claim(d)
+    from eagle3pipe import files
+    files.write_json(str(d / "a.json"), {"x": 1})
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (400 << 20, 400 << 20)); "
+            "from eagle3pipe import ledger; led = ledger.Ledger.load(sys.argv[1]); led.offset = 0; led.refresh(); "
+            "print(led.owns('a.json'))")
+    p = subprocess.run([sys.executable, "-c", code, str(d)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == "True", p.stderr[-2000:]
+
+
 def _verifier(folder, seed=0):
     """A small verifier folder as a stage reads it before anything loads: config.json and a safetensors file."""
     import json

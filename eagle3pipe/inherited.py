@@ -1,0 +1,93 @@
+"""What a stage inherits from the shell that starts it: its standard streams, its umask, the cache folders torch is
+pointed at. The streams are made safe before anything else runs (cli.run, `guard`); the rest is checked with the
+flags (cli.parse_args, `check`), one line and exit 2 before anything is read or made.
+
+- A stage started with a standard file descriptor closed (`>&-`, `2>&-`, `<&-`, a supervisor that closes them) would
+  hand that number to the first file it opens: the folder's lock or ownership record would become fd 1, and any
+  line printed (by this process or a child that inherits it) would land in the record. A closed 0, 1 or 2 is
+  reopened on /dev/null first, and Python's `None` for it becomes a real stream.
+- Output that cannot be written (`| head -1` after its first line, a redirect to a full disk, a `tee` killed with
+  the operator's ssh session) must not fail a stage that did its work, nor turn a refusal into a traceback with the
+  wrong exit code: the line is dropped, the stream goes to /dev/null from then on, and the stage goes on.
+"""
+import os
+import sys
+
+from .errors import UsageError
+
+# folders torch and Triton create when first imported (a file there failed as FileExistsError from inside torch)
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def check():
+    """The umask and the cache variables, refused in one line when a stage could not work under them."""
+    mask = os.umask(0)
+    os.umask(mask)
+    if mask & 0o700:
+        # the stage's own folder came out unwritable, and the lock in it was then blamed on a link
+        raise UsageError(f"umask {mask:04o} takes the owner's own permissions away from every file and folder a stage "
+                         f"makes (it could not write its own lock); set umask 022 (or 077), then rerun")
+    for name in CACHE_VARIABLES:
+        path = os.environ.get(name)
+        if path and os.path.lexists(path) and not os.path.isdir(path):  # a file, or a link to nothing
+            raise UsageError(f"{name}={path}: not a folder (torch makes its cache there); unset it or name a folder, "
+                             f"then rerun")
+
+
+def guard():
+    """Fds 0-2 open, and sys.stdout / sys.stderr streams whose writes never raise (see the module's docstring)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:  # os.open takes the lowest free number: the closed one, unless a lower one was closed too
+                os.dup2(null, fd)
+                os.close(null)
+    sys.stdout = _quiet(sys.stdout, 1)
+    sys.stderr = _quiet(sys.stderr, 2)
+
+
+def _quiet(stream, fd):
+    if isinstance(stream, Quiet):
+        return stream
+    if stream is None:  # Python's stand-in for a descriptor closed at its start
+        stream = open(fd, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
+    return Quiet(stream)
+
+
+class Quiet:
+    """A text stream that drops what it cannot write instead of raising; every other attribute is the stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):
+            self._silence()
+            return len(text)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            self._silence()
+
+    def _silence(self):
+        """Its file descriptor onto /dev/null: what is still buffered, and Python's flush at exit, then succeed."""
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
