@@ -21,8 +21,7 @@ CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 def check():
     """The umask and the cache variables, refused in one line when a stage could not work under them."""
-    mask = os.umask(0)
-    os.umask(mask)
+    mask = _umask()
     if mask & 0o700:
         # the stage's own folder came out unwritable, and the lock in it was then blamed on a link
         raise UsageError(f"umask {mask:04o} takes the owner's own permissions away from every file and folder a stage "
@@ -32,6 +31,20 @@ def check():
         if path and os.path.lexists(path) and not os.path.isdir(path):  # a file, or a link to nothing
             raise UsageError(f"{name}={path}: not a folder (torch makes its cache there); unset it or name a folder, "
                              f"then rerun")
+
+
+def _umask():
+    """The process's umask, read where Linux shows it (setting it to read it back would race the stage's threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def guard():

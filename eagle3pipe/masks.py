@@ -51,7 +51,7 @@ def load_tokenizer(model_path, trust_remote_code=False):
         else:  # a hub id: its files may still have to come over the network
             tok = call(AutoTokenizer.from_pretrained, hub_seconds(), f"--model-path {model_path}: the tokenizer from "
                        f"the hub", model_path, trust_remote_code=trust_remote_code)
-    except UsageError:
+    except (UsageError, MemoryError):  # out of memory (`ulimit -v`) is this machine's, not the verifier's fault
         raise
     except Exception as e:
         # transformers refuses custom code without the opt-in in a multi-line message: say it in one line
