@@ -541,6 +541,22 @@ def test_reading_the_record_reserves_what_it_holds_not_a_gib(tmp_path):
     assert p.stdout.strip() == "True", p.stderr[-2000:]
 
 
+def test_a_checkpoint_missing_a_file_the_stage_wrote_is_named_before_a_resume(tmp_path):
+    """Speculators resumes from the newest epoch folder and fails on a missing file only after the model and the data
+    have loaded: the file is named first, with the checkpoint to move away (two real trainings: tests/slow)."""
+    from eagle3pipe import checkpoints, files
+    out = tmp_path / "draft"
+    _claim(out, stage="train")
+    outdir.make_dir(str(out / "0"))
+    for name in ("config.json", "model.safetensors", "training_state.json"):
+        files.write_json(str(out / "0" / name), {"stands for": name})
+    checkpoints.resume_state(str(out))  # whole: nothing to say
+    os.remove(out / "0" / "model.safetensors")
+    with pytest.raises(UsageError, match=r"0/model.safetensors is gone \(deleted since this stage wrote it\), and "
+                                         r"speculators would resume from 0: move 0 away"):
+        checkpoints.resume_state(str(out))
+
+
 def _verifier(folder, seed=0):
     """A small verifier folder as a stage reads it before anything loads: config.json and a safetensors file."""
     import json
