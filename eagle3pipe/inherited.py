@@ -66,7 +66,27 @@ def _quiet(stream, fd):
         return stream
     if stream is None:  # Python's stand-in for a descriptor closed at its start
         stream = open(fd, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)
+    elif hasattr(stream, "reconfigure"):  # a path the terminal's encoding lacks (LC_ALL=C) is escaped, not an error
+        stream.reconfigure(errors="backslashreplace")
     return Quiet(stream)
+
+
+def last_words(fd, text):
+    """One line written straight to a descriptor just before os._exit (a signal handler, a watchdog thread): a reader
+    gone (a killed `tee`, a closed ssh session) must not stop the exit that follows."""
+    try:
+        os.write(fd, text.encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def child_pythonpath(current):
+    """PYTHONPATH for a child that imports this package (an engine, its workers, a server): the package's root first,
+    then the current value's entries that are not empty (an empty entry means the child's current folder, searched
+    before the standard library: a json.py where the operator stands would run in the engine)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rest = [p for p in (current or "").split(os.pathsep) if p and p != root]
+    return os.pathsep.join([root] + rest)
 
 
 class Quiet:
@@ -78,8 +98,14 @@ class Quiet:
     def write(self, text):
         try:
             return self._stream.write(text)
-        except (OSError, ValueError):
+        except BlockingIOError:  # a non-blocking terminal that is full for now: not a reader gone
+            raise
+        except OSError:
             self._silence()
+            return len(text)
+        except ValueError:
+            if not self._stream.closed:
+                raise
             return len(text)
 
     def writelines(self, lines):
@@ -89,8 +115,13 @@ class Quiet:
     def flush(self):
         try:
             self._stream.flush()
-        except (OSError, ValueError):
+        except BlockingIOError:
+            raise
+        except OSError:
             self._silence()
+        except ValueError:
+            if not self._stream.closed:
+                raise
 
     def _silence(self):
         """Its file descriptor onto /dev/null: what is still buffered, and Python's flush at exit, then succeed."""

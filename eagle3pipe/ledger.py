@@ -104,9 +104,11 @@ def matches(recorded, st, path):
         same_time = recorded[4] == now[4]
         fine_time = same_time and recorded[4] % 1_000_000_000 != 0  # a time to the ns is no accident; to the s might be
         return fine_time or ((same_time or same_head) and (same_inode or recorded[3] == now[3]))
-    if kind == "g":  # a log this stage appends to: the same inode, or a copy that starts with what it held then
+    if kind == "g":  # a log this stage appends to: what it held then is still its start (on the same inode, or on a
+        # copy at least as long); on the same inode a file rewritten from its start by someone else is not ours
         n = min(recorded[3], HEAD)
-        return now[0] == "f" and (same_inode or (n > 0 and now[3] >= recorded[3] and recorded[5] == _head_hash(path, n)))
+        same_start = n > 0 and now[3] >= recorded[3] and recorded[5] == _head_hash(path, n)
+        return now[0] == "f" and ((same_inode and (n == 0 or same_start)) or same_start)
     if kind == "t":  # a temporary file or link, recorded before it exists: its fresh random name identifies it
         return now[0] in ("f", "l") and bool(TEMP.fullmatch(os.path.basename(path)))
     if kind == "l":

@@ -17,6 +17,7 @@ import urllib.request
 from . import engines, lifeline, outdir
 from .engine import connector_config, cpu_vllm_env, get_json, server_module, verifier_compilation
 from .engine_log import last_error, open_log
+from .inherited import child_pythonpath
 from .errors import RunError
 from .spool import remove_spool_file, wait_for_engine_file
 
@@ -41,8 +42,7 @@ def launch(s, p, out, probe_ids, spool):
 
 def _start(s, p, out, spool):
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")  # our connector and hf_server import from here
+    env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH"))  # our connector and hf_server import from here
     env["PYTHONSAFEPATH"] = "1"  # `python -m` puts the current folder first: a json.py there would run in the engine
     if p.on_gpu:
         env["CUDA_VISIBLE_DEVICES"] = p.engine_cvd

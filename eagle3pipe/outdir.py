@@ -37,6 +37,7 @@ LAUNCHER = re.compile(r"extract(\.shard-\d+)?\.(log|pid)")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 log = logging.getLogger("eagle3")
 _growing = set()  # the logs this process appends to (outdir.finish)
+_children_write = set()  # of them, those its children write to after it has finished
 
 
 def _real(path):
@@ -172,10 +173,13 @@ def check_replaceable(path, wait=0.5):
                        f"away and rerun")
 
 
-def open_append(path, flags=os.O_WRONLY | os.O_APPEND, handed_on=False):
+def open_append(path, flags=os.O_WRONLY | os.O_APPEND, handed_on=False, children_write=False):
     """A file descriptor that appends to (or locks) a log or lock file of the stage's, created if absent; never
     through a link, never someone else's file. `handed_on`: another process keeps appending after this one exits (the
-    stage a launcher starts), so it stays a growing file in the record. -> fd (RunError, one line, otherwise)."""
+    stage a launcher starts), so it stays a growing file in the record. `children_write`: this process's children
+    (vLLM's engine processes, and its exit handlers here) write their last lines after the stage has finished: at a
+    normal exit it is recorded as a growing file by its first bytes, not as a finished one (a copy of the folder was
+    refused as changed). -> fd (RunError, one line, otherwise)."""
     led, rel = ledger_of(path)
     existed = os.path.lexists(path)
     if led is not None and existed and not led.owns(rel):
@@ -187,22 +191,24 @@ def open_append(path, flags=os.O_WRONLY | os.O_APPEND, handed_on=False):
         record(path, "g")
     if led is not None and not handed_on:
         _growing.add(path)
+        if children_write:
+            _children_write.add(path)
     return fd
 
 
 def finish():
-    """At a normal exit: the logs this process appended to are recorded with their first bytes as they are now, so
-    the folder still counts as the stage's after it is copied elsewhere (cp -a, rsync -a). They stay logs that grow:
-    vLLM's engine processes and its exit handlers in this one write their shutdown lines to the engine's log after
-    this (recorded as finished files, a copy of such a folder was refused as changed since the stage made it)."""
+    """At a normal exit: the logs this process appended to are finished files again (size, time and head hash), so
+    the folder still counts as the stage's after it is copied elsewhere with its times kept; a log its children still
+    write to (`children_write`) stays a growing one, identified by its first bytes as they are now."""
     for path in sorted(_growing):
         led, rel = ledger_of(path)
         if led is not None and led.owns(rel):
             try:
-                record(path, "g")
+                record(path, "g" if path in _children_write else None)
             except OSError:
                 pass
     _growing.clear()
+    _children_write.clear()
 
 
 def make_dir(path):

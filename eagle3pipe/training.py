@@ -14,6 +14,7 @@ import time
 from . import checkpoints, files, mla_draft, outdir, train_data
 from .train_log import DenseLog
 from .errors import UsageError
+from .inherited import last_words
 
 
 log = logging.getLogger("eagle3")
@@ -144,8 +145,8 @@ def acknowledged_signals(again_after=2.0):
                     log.warning(f"{name}: stopping; an `interrupted` checkpoint is saved as soon as the step in progress "
                                 f"lets go, and the same command resumes from it; send {name} again to stop at once")
                 elif time.time() - first > again_after:
-                    os.write(2, f"error: stopped at once by a second {name}; the same command resumes from the last "
-                                f"complete checkpoint\n".encode())
+                    last_words(2, f"error: stopped at once by a second {name}; the same command resumes from the "
+                                  f"last complete checkpoint\n")
                     os._exit(128 + signum)
     threading.Thread(target=watch, daemon=True, name="signal-watch").start()
     try:

@@ -34,7 +34,6 @@ log = logging.getLogger("eagle3")
 # what a worker imports to unpickle its dataset, transfer and collate (speculators' and ours) and run its init
 WORKER_MODULES = ("torch", "datasets", "speculators.train.data", "speculators.train.dataloader",
                   "eagle3pipe.train_data", "eagle3pipe.fp8_transport", "eagle3pipe.warm_start")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE_DEADLINE = 300  # seconds for the server's imports and one forked worker's answer
 
 
@@ -43,7 +42,8 @@ def server_env():
     would initialise the driver in the server and leave every process forked from it unable to use CUDA: "poisoned");
     one thread per pool, as speculators sets for its spawned workers; this repository on the path (the standard
     library's server does not take the stage's sys.path)."""
-    path = os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    from .inherited import child_pythonpath
+    path = child_pythonpath(os.environ.get("PYTHONPATH"))
     return {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1", "PYTHONPATH": path}
 

@@ -32,4 +32,5 @@ fi
 # not `python -m`: that puts the current folder first on the module path, and a json.py (or another checkout's
 # eagle3pipe/) in the folder you launch from would run in its place
 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -c \
-  'import sys; del sys.path[0]; from eagle3pipe import cli, launch; cli.run(launch.main)' "$@"
+  'import sys; sys.path[:] = [p for p in sys.path if p]; from eagle3pipe import cli, launch; cli.run(launch.main)' \
+  "$@"

@@ -55,9 +55,13 @@ def test_a_module_in_the_folder_it_is_launched_from_does_not_run(model_path, pre
     where the operator stands ran in the launcher's place."""
     here = tmp_path / "here"
     (here / "eagle3pipe").mkdir(parents=True)
-    (here / "json.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\nraise SystemExit('shadowed')\n")
-    p = launch(*base(model_path, prep, tmp_path / "hs"), "--dry-run", cwd=here)
-    assert p.returncode == 0 and "plan:" in p.stdout, p.stdout + p.stderr
+    planted = f"open({str(tmp_path / 'ran')!r}, 'w').close()\nraise SystemExit('shadowed')\n"
+    (here / "json.py").write_text(planted)
+    (here / "eagle3pipe" / "__init__.py").write_text(planted)
+    # PYTHONSAFEPATH (Python 3.11+) keeps the current folder off the path itself: the package's own entry must stay
+    for env in ({}, {"PYTHONSAFEPATH": "1"}):
+        p = launch(*base(model_path, prep, tmp_path / "hs"), "--dry-run", cwd=here, env=env)
+        assert p.returncode == 0 and "plan:" in p.stdout, (env, p.stdout + p.stderr)
     assert not (tmp_path / "ran").exists()
 
 

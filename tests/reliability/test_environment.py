@@ -40,6 +40,16 @@ def test_closed_descriptors_and_unwritable_output_do_not_fail_a_stage(prep, tmp_
     assert not os.path.exists(tmp_path / "o")
 
 
+def test_a_path_the_output_encoding_lacks_is_escaped_and_what_follows_still_comes():
+    """Under an ASCII-only output encoding (PYTHONIOENCODING=ascii, LC_ALL=C on older Pythons) a path with an accent
+    raised an encoding error; it is escaped, and the output goes on (a stream silenced for it would drop the
+    launcher's PIDs and its `tail -f` line)."""
+    code = "from eagle3pipe import inherited; inherited.guard(); print('data/modèles'); print('after')"
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert p.returncode == 0 and p.stdout == "data/mod\\xe8les\nafter\n", (p.stdout, p.stderr)
+
+
 def test_a_file_size_limit_names_the_file_and_leaves_no_temporary(prep, tmp_path):
     """numpy's short write has no errno ("32768 requested and 24560 written"): it was a line naming nothing."""
     out = tmp_path / "vocab"
@@ -69,8 +79,9 @@ def test_a_lock_handed_by_a_variable_set_by_hand_is_not_trusted(prep, tmp_path):
     assert p.returncode == 0, p.stderr
     lock = out / ".eagle3.lock"
     before = (out / "d2t.npy").stat().st_mtime_ns
-    holder = subprocess.Popen(["flock", "-x", str(lock), "-c", "echo held; exec sleep 60"], stdout=subprocess.PIPE,
-                              text=True)
+    hold = ("import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held', "
+            "flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         p = shell(f'exec 7<>{lock}; EAGLE3_HANDED_LOCKS=7:$(stat -c %d:%i {lock}) "$PY" "$S" --prepared-data {prep} '

@@ -514,16 +514,22 @@ def test_a_copied_log_written_after_the_stage_finished_is_still_the_stage_s(tmp_
     d = tmp_path / "out"
     _claim(d)
     log_path = str(d / "engine.log")
-    fd = outdir.open_append(log_path)
+    fd = outdir.open_append(log_path, children_write=True)  # as engine_log.open_log opens it
     os.write(fd, b"==== the engine starts\n")
+    lock = outdir.open_append(str(d / ".used.lock"), os.O_RDWR)  # a lock file: never written, always empty
     outdir.finish()  # the stage ends normally; the engine's processes still hold the file
     os.write(fd, b"[shutdown] EngineCore: exiting\n")
     os.close(fd)
+    os.close(lock)
     copy = tmp_path / "copy"
     shutil.copytree(d, copy, symlinks=True)
     assert outdir.Ledger.load(str(copy)).owns("engine.log")
+    assert outdir.Ledger.load(str(copy)).owns(".used.lock")
     (copy / "engine.log").write_text("==== someone else's file, and longer than the stage's\n")
     assert not outdir.Ledger.load(str(copy)).owns("engine.log")
+    with open(d / "engine.log", "w") as f:  # rewritten from its start on the same inode: not the stage's log
+        f.write("a person's notes, written over the log\n")
+    assert not outdir.Ledger.load(str(d)).owns("engine.log")
 
 
 def test_reading_the_record_reserves_what_it_holds_not_a_gib(tmp_path):
