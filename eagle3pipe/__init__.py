@@ -3,4 +3,7 @@ One module per concern; docs/LAYOUT.md lists them all. The light modules (errors
 verifier, conversations, vocab, preflight, online_plan) never import torch: validation runs before any heavy import.
 """
 
+import os
+
 FORMAT_VERSION = 1
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: the scripts' folder

@@ -202,8 +202,8 @@ def load_script(name):
     """A numbered script of this repository (e.g. "04_train.py") imported as a module, for its parse_args, without
     running its main()."""
     import importlib.util
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)
-    spec = importlib.util.spec_from_file_location("stage" + name.split("_")[0], path)
+    from . import REPO
+    spec = importlib.util.spec_from_file_location("stage" + name.split("_")[0], os.path.join(REPO, name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -15,7 +15,7 @@ import re
 import shlex
 import sys
 
-from . import FORMAT_VERSION
+from . import FORMAT_VERSION, REPO
 from .errors import UsageError
 
 MANIFEST = "manifest.json"
@@ -221,10 +221,9 @@ def code_version():
     """This checkout's git commit and whether its tracked files differ from it (None outside a git checkout, or
     when git does not answer within 5 s)."""
     import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return None

@@ -13,6 +13,7 @@ flags (cli.parse_args, `check`), one line and exit 2 before anything is read or 
 import os
 import sys
 
+from . import REPO
 from .errors import UsageError
 
 # folders torch and Triton create when first imported (a file there failed as FileExistsError from inside torch)
@@ -84,9 +85,8 @@ def child_pythonpath(current):
     """PYTHONPATH for a child that imports this package (an engine, its workers, a server): the package's root first,
     then the current value's entries that are not empty (an empty entry means the child's current folder, searched
     before the standard library: a json.py where the operator stands would run in the engine)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    rest = [p for p in (current or "").split(os.pathsep) if p and p != root]
-    return os.pathsep.join([root] + rest)
+    rest = [p for p in (current or "").split(os.pathsep) if p and p != REPO]
+    return os.pathsep.join([REPO] + rest)
 
 
 class Quiet:
@@ -96,32 +96,28 @@ class Quiet:
         self._stream = stream
 
     def write(self, text):
-        try:
-            return self._stream.write(text)
-        except BlockingIOError:  # a non-blocking terminal that is full for now: not a reader gone
-            raise
-        except OSError:
-            self._silence()
-            return len(text)
-        except ValueError:
-            if not self._stream.closed:
-                raise
-            return len(text)
+        written = self._unless_gone(self._stream.write, text)
+        return len(text) if written is None else written
 
     def writelines(self, lines):
         for line in lines:
             self.write(line)
 
     def flush(self):
+        self._unless_gone(self._stream.flush)
+
+    def _unless_gone(self, op, *args):
+        """op(*args), or None where the output cannot be written (then silenced) or the stream is closed."""
         try:
-            self._stream.flush()
-        except BlockingIOError:
+            return op(*args)
+        except BlockingIOError:  # a non-blocking terminal that is full for now: not a reader gone
             raise
         except OSError:
             self._silence()
         except ValueError:
             if not self._stream.closed:
                 raise
+        return None
 
     def _silence(self):
         """Its file descriptor onto /dev/null: what is still buffered, and Python's flush at exit, then succeed."""

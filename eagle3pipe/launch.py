@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from . import cli, handoff, locks, outdir, preflight
+from . import REPO, cli, handoff, locks, outdir, preflight
 from .errors import RunError, UsageError
 from .errors import quote
 
@@ -199,7 +199,7 @@ def start(r, real):
             env["CUDA_VISIBLE_DEVICES"] = r.gpus
         try:
             # from this folder, as the preflight ran: a relative path means the same file to both
-            script = os.path.relpath(os.path.join(outdir.REPO, STAGE))
+            script = os.path.relpath(os.path.join(REPO, STAGE))
             r.proc = subprocess.Popen([sys.executable, script, *r.argv], env=env, stdin=subprocess.DEVNULL,
                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                       pass_fds=(*held, write_end))

@@ -25,7 +25,7 @@ import re
 import stat
 import time
 
-from . import faults, handoff, locks
+from . import REPO, faults, handoff, locks
 from .errors import RunError, UsageError, quote
 from .ledger import (LEDGER, OLD_RECORD, TEMP, Ledger, claimed, exclusive_temp, forget, identity, inside as _inside,
                      ledger_of, open_beneath, open_plain, owned, record, temp_name)
@@ -34,7 +34,6 @@ from .ledger import attach, record_tree  # noqa: F401 (the record's API, which t
 
 # scripts/extract.sh opens its log before stage 02 starts: stage 02 accepts these, and never deletes them
 LAUNCHER = re.compile(r"extract(\.shard-\d+)?\.(log|pid)")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 log = logging.getLogger("eagle3")
 _growing = set()  # the logs this process appends to (outdir.finish)
 _children_write = set()  # of them, those its children write to after it has finished
