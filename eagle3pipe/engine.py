@@ -2,7 +2,8 @@
 
 - `cpu_vllm_env()`: vLLM-CPU's settings on a machine without GPUs: every core for the worker, none reserved for
   busy polling (by default vLLM reserves one, two with a KV connector, leaving a 2-core machine's worker one or none),
-  a 2 GiB KV cache.
+  a 2 GiB KV cache unless `cpu_kv_cache_bytes` sizes it: vLLM-CPU fills its whole cache before the engine answers
+  (about 17 s for 2 GiB on a 2-core CPU), while stage 05 at batch 1 needs a few MiB of it.
 - `make_llm(...)`: a `vllm.LLM` with the settings every stage shares (the compute dtype of compute.py; eager on CPU,
   where compiling costs about 90 s at start for no gain). Everything the engine prints (its start-up logs, Triton and
   deprecation warnings, its worker processes' output) goes to a log file named once (engine_log.py); a failure to
@@ -27,13 +28,42 @@ from .inherited import child_pythonpath, last_words
 log = logging.getLogger("eagle3")
 
 
-def cpu_vllm_env(env=None):
-    """vLLM-CPU's settings, into `env` (default: this process's environment) unless already set."""
+CPU_KV_CACHE_CAP = 2 << 30  # what vLLM-CPU gets here when nothing sizes it (VLLM_CPU_KVCACHE_SPACE=2)
+
+
+def cpu_vllm_env(env=None, kv_cache_sized=False):
+    """vLLM-CPU's settings, into `env` (default: this process's environment) unless already set. With
+    `kv_cache_sized` the engine's own argument sizes the cache (the variable, where set, would override it)."""
     env = os.environ if env is None else env
     n = os.cpu_count() or 1
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    if not kv_cache_sized:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_CAP >> 30))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+def cpu_kv_cache_bytes(text_cfg, max_model_len, max_num_seqs, draft_cfg=None, spec_tokens=0):
+    """The KV cache an engine on a CPU gets: twice an upper bound of what `max_num_seqs` sequences of `max_model_len`
+    tokens (plus the draft's `spec_tokens` and a block's rounding) hold at once, at most CPU_KV_CACHE_CAP; what the
+    user's VLLM_CPU_KVCACHE_SPACE (GiB) says instead, where set. The bound takes every layer's keys and values as wide
+    as the model (GQA and MLA store less), in float32, and the draft's layers (`draft_cfg`, its layer config; four
+    layers of the verifier's width when it is not known)."""
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip():
+        return int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
+
+    def width(c):
+        heads = c.get("num_attention_heads") or 1
+        head_dim = c.get("head_dim") or (c.get("hidden_size") or 0) // heads
+        return max(c.get("hidden_size") or 0, (c.get("num_key_value_heads") or heads) * head_dim)
+    layer_bytes = 2 * width(text_cfg) * 4  # keys and values, float32
+    layers = text_cfg.get("num_hidden_layers") or 0
+    if draft_cfg:
+        layers_draft, draft_bytes = draft_cfg.get("num_hidden_layers") or 1, 2 * width(draft_cfg) * 4
+    else:
+        layers_draft, draft_bytes = 4, layer_bytes
+    tokens = max_num_seqs * (max_model_len + spec_tokens + 256)  # 256: a partly filled block at each end
+    need = tokens * (layers * layer_bytes + layers_draft * draft_bytes)
+    return min(CPU_KV_CACHE_CAP, 2 * need + (16 << 20))
 
 
 def cpu_compilation(text_cfg):
@@ -65,7 +95,8 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
     """A vllm.LLM for `model_path` computing in `dtype`; `kw` goes to vLLM as is (speculative_config,
     kv_transfer_config, ...). The engine's output goes to `log_path` (appended); a failure to start raises RunError."""
     if not on_gpu:
-        cpu_vllm_env()
+        kw.setdefault("kv_cache_memory_bytes", _cpu_kv_cache(model_path, max_model_len, kw))
+        cpu_vllm_env(kv_cache_sized=True)
         comp = verifier_compilation(model_path)
         if comp:
             kw.setdefault("compilation_config", comp)
@@ -87,6 +118,23 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
     log.info(f"vLLM engine ready in {time.time() - t0:.0f} s")
     _watches[id(llm)] = EngineWatch(_children(), log_path)
     return llm
+
+
+def _cpu_kv_cache(model_path, max_model_len, kw):
+    """cpu_kv_cache_bytes for make_llm's engine: its verifier, vLLM's max_num_seqs (256 where not given: the cap) and
+    the eagle3 draft its speculative_config names."""
+    from .verifier import model_files, text_config
+    spec = kw.get("speculative_config") or {}
+    draft = None
+    if spec.get("method") == "eagle3":
+        try:
+            with open(os.path.join(spec["model"], "config.json")) as f:
+                cfg = json.load(f)
+            draft = cfg.get("transformer_layer_config") or cfg
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            draft = None  # the draft's checks are stage 05's; here the bound assumes four wide layers
+    return cpu_kv_cache_bytes(text_config(model_files(model_path)[0]), max_model_len, kw.get("max_num_seqs") or 256,
+                              draft, spec.get("num_speculative_tokens") or 0)
 
 
 @contextlib.contextmanager

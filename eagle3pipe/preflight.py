@@ -89,8 +89,9 @@ def check_memory(args, cfg, n_states, weights, gpus, rows, longest, note="", val
         where = f"{n} GPU(s) x {per_gpu / 2**30:.0f} GiB x {args.gpu_memory_utilization}"
     else:
         avail = available_ram() - (weights or 0)
-        if engines.kind(args.backend).cpu_kv_cache_reserved:  # vLLM-CPU: VLLM_CPU_KVCACHE_SPACE
-            avail -= int(float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")) * 2**30)
+        if engines.kind(args.backend).cpu_kv_cache_reserved:  # vLLM-CPU reserves it whole, as make_llm sizes it
+            from .engine import cpu_kv_cache_bytes
+            avail -= cpu_kv_cache_bytes(cfg, args.max_seq_len + 1, args.batch_size, spec_tokens=1)
         where = "available RAM"
     if avail <= 0:
         raise UsageError(f"--model-path {args.model_path}: weights ({(weights or 0) / 2**30:.1f} GiB) do not fit in "
