@@ -46,15 +46,16 @@ def cpu_kv_cache_bytes(text_cfg, max_model_len, max_num_seqs, draft_cfg=None, sp
     """The KV cache an engine on a CPU gets: twice an upper bound of what `max_num_seqs` sequences of `max_model_len`
     tokens (plus the draft's `spec_tokens` and a block's rounding) hold at once, at most CPU_KV_CACHE_CAP; what the
     user's VLLM_CPU_KVCACHE_SPACE (GiB) says instead, where set. The bound takes every layer's keys and values as wide
-    as the model (GQA and MLA store less), in float32, and the draft's layers (`draft_cfg`, its layer config; four
-    layers of the verifier's width when it is not known)."""
+    as the model or its KV heads, whichever is wider, and MLA's latent as wide as itself, in float32; and the draft's
+    layers (`draft_cfg`, its layer config; four layers of the verifier's width when it is not known)."""
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip():
         return int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
 
     def width(c):
         heads = c.get("num_attention_heads") or 1
         head_dim = c.get("head_dim") or (c.get("hidden_size") or 0) // heads
-        return max(c.get("hidden_size") or 0, (c.get("num_key_value_heads") or heads) * head_dim)
+        latent = (c.get("kv_lora_rank") or 0) + (c.get("qk_rope_head_dim") or 0)  # MLA caches this, once
+        return max(c.get("hidden_size") or 0, (c.get("num_key_value_heads") or heads) * head_dim, latent)
     layer_bytes = 2 * width(text_cfg) * 4  # keys and values, float32
     layers = text_cfg.get("num_hidden_layers") or 0
     if draft_cfg:

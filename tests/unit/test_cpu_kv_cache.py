@@ -31,6 +31,9 @@ def test_the_cache_holds_twice_what_the_engine_can_hold_at_once_and_at_most_2_gi
     # MLA's latent cache (kv_lora_rank + rope per token) is far narrower than the model: the bound covers it
     latent = 157 * 65 * (512 + 64) * 4
     assert engine.cpu_kv_cache_bytes(DEEPSEEK_V3, 157, 1, spec_tokens=3) >= 2 * latent
+    # a small MLA model (the tests' random DeepSeek-V3: width 256, latent 512 + 64): the latent decides
+    small = dict(DEEPSEEK_V3, hidden_size=256, num_attention_heads=4, num_hidden_layers=8, head_dim=64)
+    assert engine.cpu_kv_cache_bytes(small, 157, 1, spec_tokens=3) >= 2 * 160 * 12 * (512 + 64) * 4
     # vLLM's default of 256 sequences (the online engine gives none): the old 2 GiB
     assert engine.cpu_kv_cache_bytes(SMOLLM2, 4096, 256) == engine.CPU_KV_CACHE_CAP
 
