@@ -1,6 +1,7 @@
 """What a stage inherits from the shell that starts it: its standard streams, its umask, the cache folders torch is
-pointed at, the KV cache vLLM-CPU is told to reserve. The streams are made safe before anything else runs (cli.run, `guard`); the rest is checked with the
-flags (cli.parse_args, `check`), one line and exit 2 before anything is read or made.
+pointed at, the KV cache vLLM-CPU is told to reserve. The streams are made safe before anything else runs (cli.run,
+`guard`); the rest is checked with the flags (cli.parse_args, `check`), one line and exit 2 before anything is read
+or made.
 
 - A stage started with a standard file descriptor closed (`>&-`, `2>&-`, `<&-`, a supervisor that closes them) would
   hand that number to the first file it opens: the folder's lock or ownership record would become fd 1, and any
