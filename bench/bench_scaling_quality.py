@@ -18,7 +18,7 @@ package's ShareGPT conversations, every epoch measured on held-out prompts by th
     python -m bench.bench_scaling_quality report  --work W [--plot docs/scaling_quality.png]
     python -m bench.bench_scaling_quality curve   --work W --src bench/results/scaling_quality_20261202.json \
         --plot docs/scaling_quality.png             # the data curve from a results file
-    python -m bench.bench_scaling_quality compare --work W --src a.json,b.json --runs RUN/EP:RUN/EP,...
+    python -m bench.bench_scaling_quality compare --work W --src a.json,b.json --runs RUN/EP:RUN/EP,... [--k 5]
                                                 # paired differences between measured epochs, with 95% bands
                                                 # (RUN/EP+RUN/EP on a side pools two seeds prompt by prompt)
 
@@ -499,6 +499,7 @@ def main():
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--plot", default="")
+    p.add_argument("--k", type=int, choices=(3, 5), default=3, help="compare: speculative tokens per round")
     p.add_argument("--watch", type=int, default=0, help="measure: keep measuring new epochs while train runs, S s")
     a = p.parse_args()
     w = os.path.abspath(a.work)
@@ -533,7 +534,7 @@ def main():
     elif a.step == "curve":
         curve(a.src, a.plot)
     elif a.step == "compare":
-        compare(a.src.split(","), runs)
+        compare(a.src.split(","), runs, f"k{a.k}")
     elif a.step == "study":
         study(w, states, a.parallel, a.plot or f"{w}/scaling_quality.png")
     else:
