@@ -16,7 +16,7 @@
 #                                                  # PARALLEL: runs at once, default 2: two two-layer drafts at
 #                                                  # 32,768 tokens a step trained at 128-167k tok/s each, five
 #                                                  # of the study's first runs shared it at about 280k
-#                                                  # in all; four two-layer 32,768-token drafts, about 21 GB
+#                                                  # in all; four two-layer 32,768-token drafts, 21 GiB
 #                                                  # each, ran out of an 80 GB GPU's memory)
 #   bash bench/scaling_gpu.sh follow OUT SECONDS   # the runs' progress until they end or SECONDS pass; OUT gets
 #                                                  # the measures so far

@@ -2,13 +2,11 @@
 two specs that would train into one folder are refused (a 6-epoch and a 3-epoch run once shared one); comparisons
 pool seeds prompt by prompt."""
 import json
-import subprocess
 import sys
 
 import pytest
 
 from bench.bench_scaling_quality import plan_runs
-from bench.common import REPO
 
 
 def test_runs_that_share_a_folder_are_refused_before_any_starts(tmp_path):
@@ -56,14 +54,18 @@ def test_two_seeds_pool_prompt_by_prompt_and_differing_references_are_named(caps
     assert "references differ" not in capsys.readouterr().out
 
 
-def test_compare_reads_the_k_the_command_line_names(tmp_path):
+def test_compare_reads_the_k_the_command_line_names(tmp_path, monkeypatch, capsys):
     """`compare --k 5` compares the k=5 figures of the same records; --k 4 is refused by argparse."""
+    from bench.bench_scaling_quality import main
     rec = lambda k3, k5: {"k3": {"per_prompt": k3, "acceptance_length": 0.0},
                           "k5": {"per_prompt": k5, "acceptance_length": 0.0}}
     src = tmp_path / "m.json"
     src.write_text(json.dumps({"a/0": rec([[10, 10]], [[10, 20]]), "b/0": rec([[10, 10]], [[10, 30]])}))
-    cmd = [sys.executable, "-m", "bench.bench_scaling_quality", "compare", "--work", str(tmp_path), "--src", str(src),
-           "--runs", "a/0:b/0"]
-    out = subprocess.run(cmd + ["--k", "5"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.startswith("b/0 - a/0: k5 4.0000 - 3.0000 = +1.0000"), out
-    assert subprocess.run(cmd + ["--k", "4"], cwd=REPO, capture_output=True, timeout=120).returncode == 2
+    argv = ["bench_scaling_quality", "compare", "--work", str(tmp_path), "--src", str(src), "--runs", "a/0:b/0"]
+    monkeypatch.setattr(sys, "argv", argv + ["--k", "5"])
+    main()
+    assert capsys.readouterr().out.startswith("b/0 - a/0: k5 4.0000 - 3.0000 = +1.0000")  # k=3 would read 2 - 2
+    monkeypatch.setattr(sys, "argv", argv + ["--k", "4"])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
