@@ -20,7 +20,7 @@ Trainer run on CPU (eager loss, sdpa attention).
 import argparse
 import os
 
-from eagle3pipe import checkpoints, cli, engines, mla_draft, train_plan, validation_measure
+from eagle3pipe import checkpoints, cli, engines, errors, mla_draft, train_plan, validation_measure
 
 
 def parse_args(argv=None):
@@ -112,6 +112,7 @@ def main():
     log = cli.setup_logging()
     rank = int(os.environ.get("RANK", "0"))
     plan = train_plan.plan(args, rank)  # every check, in seconds, before anything loads
+    errors.MEMORY = train_plan.memory_hint(args, plan.rows)  # what an out-of-memory line will advise
     out, previous = checkpoints.prepare_output(args, plan.identity, plan.inputs, rank,  # rank 0 holds the folder's
                                                carry=lambda old: train_plan.horizon(args))  # lock from here on
     from eagle3pipe import online, train_data, training

@@ -20,6 +20,7 @@ import signal
 import sys
 import typing
 
+from . import errors
 from .errors import RunError, UsageError, oneline, resume_hint  # noqa: F401 (the scripts' and tests' names for them)
 
 
@@ -58,8 +59,12 @@ def describe(e):
         code, hint = _OS_HINTS[e.errno]
         names = " -> ".join(os.fsdecode(n) for n in (e.filename, e.filename2) if n is not None)
         return code, f"{names + ': ' if names else ''}{e.strerror}; {hint.format(resume=resume_hint())}"
+    if type(e).__name__ == "OutOfMemoryError" and type(e).__module__.split(".")[0] == "torch":
+        hint = f"{errors.MEMORY} or free the GPU" if errors.MEMORY else "free the GPU"
+        return 1, f"{errors.gpu_out_of_memory(text)}; {hint}, then {resume_hint()}"
     if isinstance(e, MemoryError):
-        return 1, "out of memory; lower --batch-size or --max-seq-len (or free memory), then rerun"
+        hint = errors.MEMORY or "lower --batch-size or --max-seq-len"
+        return 1, f"out of memory; {hint} (or free memory), then rerun"
     if isinstance(e, UnicodeError):
         return 2, f"text that is not valid UTF-8 ({' '.join(str(e).split())[:200]}); fix or drop the record or name"
     if isinstance(e, RecursionError):

@@ -3,6 +3,7 @@ so every module can raise them (cli.run prints them: UsageError exit 2, RunError
 
 
 RERUN = None  # a stage that does not resume says what its rerun does instead (stage 05)
+MEMORY = None  # what bounds a stage's memory, for its out-of-memory line (stage 04: --total-seq-len)
 
 
 def resume_hint():
@@ -39,3 +40,30 @@ def quote(path):
     """A name for a one-line message: control characters and undecodable bytes escaped."""
     import os
     return oneline(os.fsdecode(path) if isinstance(path, bytes) else path)
+
+
+_SIZE = r"([\d.]+) ([KMGT]?i?B)"
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+
+
+def gpu_out_of_memory(text):
+    """torch's CUDA out-of-memory message, a paragraph that names every process on the card, as its figures: what
+    was asked for, what was free of what, what this process and the others held. Another wording: its first 200
+    characters."""
+    import re
+    t = " ".join(str(text).split())
+    asked = re.search(r"Tried to allocate " + _SIZE, t)
+    card = re.search(r"GPU (\d+) has a total capacity of " + _SIZE + r" of which " + _SIZE + r" is free", t)
+    if not (asked and card):
+        return f"out of GPU memory ({t[:200]})"
+    line = (f"GPU {card[1]} out of memory: asked for {asked[1]} {asked[2]} with {card[4]} {card[5]} free of "
+            f"{card[2]} {card[3]}")
+    mine = re.search(r"this process has " + _SIZE + r" memory in use", t)
+    if mine:
+        line += f"; this process held {mine[1]} {mine[2]}"
+    others = re.findall(r"Process (\d+) has " + _SIZE + r" memory in use", t)
+    if others:  # another run on the same card is the usual cause when the stage's own checks passed
+        held = sum(float(n) * _UNITS.get(u, 1) for _, n, u in others) / 2**30
+        line += (f", {len(others)} other process{'es' if len(others) > 1 else ''} {held:.2f} GiB "
+                 f"(pid{'s' if len(others) > 1 else ''} {', '.join(pid for pid, _, _ in others)})")
+    return line

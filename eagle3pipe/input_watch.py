@@ -8,7 +8,7 @@ import logging
 import os
 import time
 
-from . import files
+from . import faults, files
 from .errors import RunError, UsageError
 
 log = logging.getLogger("eagle3")
@@ -138,6 +138,8 @@ class BatchGuard:
                 return
             self.waited += time.perf_counter() - t0
             k += 1
+            if self.what == "training":
+                faults.oom_point(k)  # a reliability test: the card runs out of memory at this step
             ids = batch.get("document_ids") if isinstance(batch, dict) else None
             n = None if ids is None else int((ids != -1).sum())
             self.tokens += n or 0

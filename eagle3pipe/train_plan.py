@@ -250,6 +250,13 @@ def horizon(s):
     return {"epochs": s.epochs, "max_steps": s.max_steps}
 
 
+def memory_hint(s, rows):
+    """What an out-of-memory line tells the operator (errors.MEMORY): the flag that bounds a step's memory, its floor
+    (the longest row), and that a new value starts over: the run's identity holds it, so a resume would refuse it."""
+    return (f"lower --total-seq-len ({s.total_seq_len:,} now; the longest row needs {max(len(r[0]) for r in rows):,}; "
+            f"a new value starts over: add --overwrite or give another --output-dir)")
+
+
 # ------------------------------------------------------------------------------------------------- the whole plan
 
 @dataclasses.dataclass(frozen=True)

@@ -245,6 +245,33 @@ def test_every_failure_is_one_line_with_the_right_exit_code():
     assert cli.oneline(f"{name}: not a folder") == "caf\\xe9\\nnotes: not a folder"
 
 
+def test_a_gpu_out_of_memory_reads_as_its_figures_and_the_stage_flag_that_bounds_it(monkeypatch):
+    """torch's CUDA out-of-memory paragraph (this one from an H100 that four stage 04 runs shared) as one line: what
+    was asked, what was free of what, who held the rest; then the flag the stage named (stage 04: --total-seq-len)."""
+    import torch
+    from eagle3pipe import errors
+    monkeypatch.setattr(sys, "argv", ["04_train.py"])
+    shared = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of 79.18 GiB of which 1.57 GiB is "
+        "free. Process 835 has 21.00 GiB memory in use. Including non-PyTorch memory, this process has 14.55 GiB "
+        "memory in use. Process 833 has 21.01 GiB memory in use. Process 832 has 512.00 MiB memory in use. Of the "
+        "allocated memory 10.20 GiB is allocated by PyTorch")
+    monkeypatch.setattr(errors, "MEMORY", None)
+    assert cli.describe(shared) == (1, "GPU 0 out of memory: asked for 4.00 GiB with 1.57 GiB free of 79.18 GiB; this "
+                                       "process held 14.55 GiB, 3 other processes 42.51 GiB (pids 835, 833, 832); "
+                                       "free the GPU, then rerun the same command to resume")
+    monkeypatch.setattr(errors, "MEMORY", "lower --total-seq-len (8,192 now; the longest row needs 2,048)")
+    alone = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 1 has a total capacity of "
+                                   "23.69 GiB of which 5.56 MiB is free. Including non-PyTorch memory, this process "
+                                   "has 23.67 GiB memory in use.")
+    assert cli.describe(alone)[1] == ("GPU 1 out of memory: asked for 20.00 MiB with 5.56 MiB free of 23.69 GiB; this "
+                                      "process held 23.67 GiB; lower --total-seq-len (8,192 now; the longest row needs "
+                                      "2,048) or free the GPU, then rerun the same command to resume")
+    other = cli.describe(torch.OutOfMemoryError("HIP out of memory,\nsome other wording"))[1]
+    assert other.startswith("out of GPU memory (HIP out of memory, some other wording); lower --total-seq-len")
+    assert cli.describe(MemoryError())[1].startswith("out of memory; lower --total-seq-len (8,192 now")
+
+
 def test_an_interrupted_overwrite_run_is_told_to_resume_without_overwrite(monkeypatch):
     """Rerunning a stopped --overwrite run as it was would delete what it made and start over."""
     import errno
