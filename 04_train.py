@@ -112,7 +112,7 @@ def main():
     log = cli.setup_logging()
     rank = int(os.environ.get("RANK", "0"))
     plan = train_plan.plan(args, rank)  # every check, in seconds, before anything loads
-    errors.MEMORY = train_plan.memory_hint(args, plan.rows)  # what an out-of-memory line will advise
+    errors.MEMORY = train_plan.memory_hint(args, plan.rows, plan.device.on_gpu, plan.states is not None)
     out, previous = checkpoints.prepare_output(args, plan.identity, plan.inputs, rank,  # rank 0 holds the folder's
                                                carry=lambda old: train_plan.horizon(args))  # lock from here on
     from eagle3pipe import online, train_data, training

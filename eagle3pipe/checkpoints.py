@@ -257,7 +257,7 @@ def update_best(trainer, epoch, val_metrics, measure, by_loss):
                 if interrupted(e):  # a stop signal during the measure: the run stops, the measure did not fail
                     raise
                 from .cli import describe
-                measure.failed = describe(e)[1]
+                measure.failed = describe(e, advice=False)[1]
                 log.warning(f"acceptance measure failed ({measure.failed}); checkpoint_best follows the trainer's "
                             f"estimate from here on")
         measured = measure is not None and not measure.failed

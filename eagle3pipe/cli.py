@@ -42,9 +42,10 @@ _OS_HINTS = {
 }
 
 
-def describe(e):
+def describe(e, advice=True):
     """Any exception as (exit code, one line): ours as they are; the OS's, memory, decoding and the libraries' own
-    (validation errors raised inside speculators, vLLM, transformers) with what it was and what to do."""
+    (validation errors raised inside speculators, vLLM, transformers) with what it was and what to do. `advice`
+    False: an out-of-memory as its figures alone (a failure the run carries on after: what to rerun is no advice)."""
     text = str(e)
     if "Traceback (most recent call last)" in text:  # a child's (a data-loader worker's) traceback re-raised here:
         # the cause it names, not the wrappers around it
@@ -60,11 +61,15 @@ def describe(e):
         names = " -> ".join(os.fsdecode(n) for n in (e.filename, e.filename2) if n is not None)
         return code, f"{names + ': ' if names else ''}{e.strerror}; {hint.format(resume=resume_hint())}"
     if type(e).__name__ == "OutOfMemoryError" and type(e).__module__.split(".")[0] == "torch":
-        hint = f"{errors.MEMORY} or free the GPU" if errors.MEMORY else "free the GPU"
-        return 1, f"{errors.gpu_out_of_memory(text)}; {hint}, then {resume_hint()}"
-    if isinstance(e, MemoryError):
-        hint = errors.MEMORY or "lower --batch-size or --max-seq-len"
-        return 1, f"out of memory; {hint} (or free memory), then rerun"
+        line, more = errors.gpu_out_of_memory(text), errors.MEMORY.get("gpu")
+        if not advice:
+            return 1, line
+        return 1, f"{line}; free the GPU, then {resume_hint()}{f'; or {more}' if more else ''}"
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "DefaultCPUAllocator" in text):
+        line, more = errors.host_out_of_memory(text), errors.MEMORY.get("host")
+        if not advice:
+            return 1, line
+        return 1, f"{line}; free memory, then {resume_hint()}; or {more or 'lower --batch-size or --max-seq-len'}"
     if isinstance(e, UnicodeError):
         return 2, f"text that is not valid UTF-8 ({' '.join(str(e).split())[:200]}); fix or drop the record or name"
     if isinstance(e, RecursionError):

@@ -116,7 +116,7 @@ def measure_without_vllm(args, drafts, prompt_ids, on_gpu, ranking):
                                                        "cuda" if on_gpu else "cpu", args.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - an addition to vLLM's figures must never cost them
         from .cli import describe
-        why = f"failed: {describe(e)[1]}"
+        why = f"failed: {describe(e, advice=False)[1]}"
         log.warning(f"acceptance without vLLM: {why}")
         return {"skipped": why}
     for row in ranking:

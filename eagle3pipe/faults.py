@@ -16,8 +16,9 @@ variable. Nothing here does anything unless a variable is set.
                                        (stage 04, inside a training sample's read), measure (inside the epoch's
                                        acceptance measure): a stop that lands where a broad `except` stands
     EAGLE3_INJECT_OOM_ABOVE_TOKENS=N   raise torch's OutOfMemoryError for any stage 02 forward over N tokens
-    EAGLE3_INJECT_OOM_AT_BATCH=N       raise it at the Nth training batch of each stage 04 epoch, worded as CUDA
-                                       words it (the words of a run that met three others on its card)
+    EAGLE3_INJECT_OOM_AT_BATCH=N[:cpu] raise it at the Nth training batch of each stage 04 epoch, worded as CUDA
+                                       words it (the words of a run that met three others on its card); with
+                                       `:cpu`, the RuntimeError torch's CPU allocator raises instead
     EAGLE3_INJECT_NAN_ROWS=3,7         poison those rows' hidden states before stage 02's finiteness check
 """
 import os
@@ -56,15 +57,20 @@ def oom_above():
 
 def oom_point(batch):
     """Stage 04's training loader, at the `batch`th batch (from 1) of an epoch."""
-    if batch == int(os.environ.get("EAGLE3_INJECT_OOM_AT_BATCH", "0") or 0):
-        import torch
-        raise torch.OutOfMemoryError(
-            "CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of 79.18 GiB of which 1.57 "
-            "GiB is free. Process 835 has 21.00 GiB memory in use. Including non-PyTorch memory, this process has "
-            "14.55 GiB memory in use. Process 833 has 21.01 GiB memory in use. Process 832 has 21.01 GiB memory in "
-            "use. Of the allocated memory 10.20 GiB is allocated by PyTorch, and 2.31 GiB is reserved by PyTorch but "
-            "unallocated. If reserved but unallocated memory is large try setting "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+    at, _, where = os.environ.get("EAGLE3_INJECT_OOM_AT_BATCH", "").partition(":")
+    if batch != int(at or 0):
+        return
+    if where == "cpu":
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 34359738368 bytes. Error code 12 (Cannot allocate memory)")
+    import torch
+    raise torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of 79.18 GiB of which 1.57 "
+        "GiB is free. Process 835 has 21.00 GiB memory in use. Including non-PyTorch memory, this process has "
+        "14.55 GiB memory in use. Process 833 has 21.01 GiB memory in use. Process 832 has 21.01 GiB memory in "
+        "use. Of the allocated memory 10.20 GiB is allocated by PyTorch, and 2.31 GiB is reserved by PyTorch but "
+        "unallocated. If reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
 
 
 def nan_rows():

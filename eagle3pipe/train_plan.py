@@ -250,11 +250,20 @@ def horizon(s):
     return {"epochs": s.epochs, "max_steps": s.max_steps}
 
 
-def memory_hint(s, rows):
-    """What an out-of-memory line tells the operator (errors.MEMORY): the flag that bounds a step's memory, its floor
-    (the longest row), and that a new value starts over: the run's identity holds it, so a resume would refuse it."""
-    return (f"lower --total-seq-len ({s.total_seq_len:,} now; the longest row needs {max(len(r[0]) for r in rows):,}; "
-            f"a new value starts over: add --overwrite or give another --output-dir)")
+def memory_hint(s, rows, on_gpu, online):
+    """What an out-of-memory line advises beyond freeing memory (errors.MEMORY), by what ran out. A step's memory
+    grows with --total-seq-len (its floor: the longest row) and --ttt-steps; a new value of either starts over, since
+    the run's identity holds it and a resume would refuse it."""
+    longest = max(len(r[0]) for r in rows)
+    over = "and start over with --overwrite or another --output-dir"
+    step = (f"lower --total-seq-len ({s.total_seq_len:,} now; the longest row needs {longest:,}) {over}"
+            if s.total_seq_len > longest else
+            f"shorten the rows (stage 01's --max-seq-len: --total-seq-len {s.total_seq_len:,} is already the longest "
+            f"row's) or use fewer --ttt-steps ({s.ttt_steps} now), {over}")
+    if not on_gpu:
+        return {"host": step}
+    engine = "; or give the engine less (--engine-memory) or GPUs of its own (--engine-gpus)" if online else ""
+    return {"gpu": step + engine, "host": "lower --num-workers (each loader worker holds batches in memory)"}
 
 
 # ------------------------------------------------------------------------------------------------- the whole plan

@@ -64,20 +64,21 @@ def test_a_stop_signal_inside_a_sample_read_stops_the_run_and_no_good_sample_is_
     # the rerun resumes from `interrupted` as after any stop (test_ctrl_c_mid_epoch_resumes_from_the_step_it_reached)
 
 
-def test_the_card_running_out_of_memory_is_one_line_naming_the_flag_that_bounds_it(stages, model_path, tmp_path):
-    """CUDA's out-of-memory error at the second training batch (the words of an H100 four runs shared): one line
-    with what was asked and what was free, who held the rest, and --total-seq-len with its value and its floor (the
-    longest row); exit 1, no traceback, no finished run left behind."""
+def test_running_out_of_memory_is_one_line_naming_the_flag_that_bounds_it(stages, model_path, tmp_path):
+    """torch's CPU allocator refusing 32 GiB at the second training batch (this run trains on the CPU, so the RAM is
+    what --total-seq-len fills): one line with what was asked, how to resume, and --total-seq-len with its value and
+    its floor (the longest row), which starts over; exit 1, no traceback, no finished run left behind. A GPU's
+    wording and advice: tests/unit/test_rules.py."""
     out = tmp_path / "draft"
-    argv = train_args(model_path, stages, out, "--epochs", "1", "--total-seq-len", "512", "--num-samples", "12")
-    p, _ = run_script(*argv, env={"EAGLE3_INJECT_OOM_AT_BATCH": "2"})
+    argv = train_args(model_path, stages, out, "--epochs", "1", "--total-seq-len", "1024", "--num-samples", "12")
+    p, _ = run_script(*argv, env={"EAGLE3_INJECT_OOM_AT_BATCH": "2:cpu"})
     lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
-    assert lines[0].startswith("error: GPU 0 out of memory: asked for 4.00 GiB with 1.57 GiB free of 79.18 GiB; this "
-                               "process held 14.55 GiB, 3 other processes 63.02 GiB (pids 835, 833, 832); lower "
-                               "--total-seq-len (512 now; the longest row needs "), lines[0]
-    assert lines[0].endswith("; a new value starts over: add --overwrite or give another --output-dir) or free the "
-                             "GPU, then rerun the same command to resume"), lines[0]
+    rows = open(stages["prepared"] / "tokenized_data.jsonl").read().splitlines()[:12]  # --num-samples: the first 12
+    longest = max(len(json.loads(r)["input_ids"]) for r in rows)
+    assert lines[0] == ("error: out of memory (RAM: asked for 32.00 GiB); free memory, then rerun the same command to "
+                        f"resume; or lower --total-seq-len (1,024 now; the longest row needs {longest:,}) and start "
+                        "over with --overwrite or another --output-dir"), lines[0]
     assert "step 1/" in p.stderr and "step 2/" not in p.stderr and not (out / "manifest.json").exists()
 
 

@@ -3,6 +3,7 @@ the typed settings records (types, finiteness, ranges, choices, rules between fl
 import math
 import os
 import sys
+import types
 
 import pytest
 
@@ -246,30 +247,51 @@ def test_every_failure_is_one_line_with_the_right_exit_code():
 
 
 def test_a_gpu_out_of_memory_reads_as_its_figures_and_the_stage_flag_that_bounds_it(monkeypatch):
-    """torch's CUDA out-of-memory paragraph (this one from an H100 that four stage 04 runs shared) as one line: what
-    was asked, what was free of what, who held the rest; then the flag the stage named (stage 04: --total-seq-len)."""
+    """torch's CUDA out-of-memory paragraph (the first from an H100 that four stage 04 runs shared) as one line: what
+    was asked, what was free of what, who held the rest; freeing the card and resuming first, then what the stage
+    named (stage 04: --total-seq-len, which starts over). A full card's "0 bytes", a driver's 16-EiB non-figure, a
+    container's PID namespace (no "this process") and CUDA_VISIBLE_DEVICES' renumbering each read right."""
     import torch
-    from eagle3pipe import errors
+    from eagle3pipe import errors, train_plan
     monkeypatch.setattr(sys, "argv", ["04_train.py"])
-    shared = torch.OutOfMemoryError(
-        "CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of 79.18 GiB of which 1.57 GiB is "
-        "free. Process 835 has 21.00 GiB memory in use. Including non-PyTorch memory, this process has 14.55 GiB "
-        "memory in use. Process 833 has 21.01 GiB memory in use. Process 832 has 512.00 MiB memory in use. Of the "
-        "allocated memory 10.20 GiB is allocated by PyTorch")
-    monkeypatch.setattr(errors, "MEMORY", None)
-    assert cli.describe(shared) == (1, "GPU 0 out of memory: asked for 4.00 GiB with 1.57 GiB free of 79.18 GiB; this "
-                                       "process held 14.55 GiB, 3 other processes 42.51 GiB (pids 835, 833, 832); "
-                                       "free the GPU, then rerun the same command to resume")
-    monkeypatch.setattr(errors, "MEMORY", "lower --total-seq-len (8,192 now; the longest row needs 2,048)")
-    alone = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 1 has a total capacity of "
-                                   "23.69 GiB of which 5.56 MiB is free. Including non-PyTorch memory, this process "
-                                   "has 23.67 GiB memory in use.")
-    assert cli.describe(alone)[1] == ("GPU 1 out of memory: asked for 20.00 MiB with 5.56 MiB free of 23.69 GiB; this "
-                                      "process held 23.67 GiB; lower --total-seq-len (8,192 now; the longest row needs "
-                                      "2,048) or free the GPU, then rerun the same command to resume")
-    other = cli.describe(torch.OutOfMemoryError("HIP out of memory,\nsome other wording"))[1]
-    assert other.startswith("out of GPU memory (HIP out of memory, some other wording); lower --total-seq-len")
-    assert cli.describe(MemoryError())[1].startswith("out of memory; lower --total-seq-len (8,192 now")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(errors, "MEMORY", {})
+    oom = lambda text, **kw: cli.describe(torch.OutOfMemoryError(text), **kw)
+    shared = ("CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of 79.18 GiB of which 1.57 "
+              "GiB is free. Process 835 has 21.00 GiB memory in use. Including non-PyTorch memory, this process has "
+              "14.55 GiB memory in use. Process 833 has 21.01 GiB memory in use. Process 832 has 512.00 MiB memory in "
+              "use. Of the allocated memory 10.20 GiB is allocated by PyTorch")
+    figures = ("GPU 0 out of memory: asked for 4.00 GiB with 1.57 GiB free of 79.18 GiB; this process held 14.55 GiB, "
+               "3 other processes 42.51 GiB (pids 835, 833, 832)")
+    assert oom(shared) == (1, figures + "; free the GPU, then rerun the same command to resume")
+    assert oom(shared, advice=False) == (1, figures)  # a measure that failed while the run goes on: no rerun advice
+    full = ("CUDA out of memory. Tried to allocate 512 bytes. GPU 1 has a total capacity of 79.15 GiB of which 0 bytes "
+            "is free. Process 1234 has 17179869184.00 GiB memory in use. Process 99 has 70.00 GiB memory in use.")
+    assert oom(full, advice=False)[1] == ("GPU 1 out of memory: asked for 512 bytes with 0 bytes free of 79.15 GiB; 1 "
+                                          "process held 70.00 GiB (pid 99)")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert oom(full, advice=False)[1].startswith("GPU 1 (nvidia-smi GPU 3) out of memory")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    plan = lambda longest, on_gpu=True, online=False: train_plan.memory_hint(
+        types.SimpleNamespace(total_seq_len=8192, ttt_steps=3), [[[0] * longest]], on_gpu, online)
+    monkeypatch.setattr(errors, "MEMORY", plan(2048))
+    assert oom(shared)[1] == (figures + "; free the GPU, then rerun the same command to resume; or lower "
+                              "--total-seq-len (8,192 now; the longest row needs 2,048) and start over with "
+                              "--overwrite or another --output-dir")
+    monkeypatch.setattr(errors, "MEMORY", plan(8192, online=True))  # nothing left to lower: the rows, the TTT steps
+    assert oom(shared)[1].endswith("; or shorten the rows (stage 01's --max-seq-len: --total-seq-len 8,192 is already "
+                                   "the longest row's) or use fewer --ttt-steps (3 now), and start over with "
+                                   "--overwrite or another --output-dir; or give the engine less (--engine-memory) or "
+                                   "GPUs of its own (--engine-gpus)")
+    other = oom("HIP out of memory,\nsome other wording")[1]
+    assert other.startswith("out of GPU memory (HIP out of memory, some other wording); free the GPU")
+    monkeypatch.setattr(errors, "MEMORY", plan(2048, on_gpu=False))  # a CPU run: the RAM is what --total-seq-len fills
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
+                       "tried to allocate 34359738368 bytes. Error code 12 (Cannot allocate memory)")
+    assert cli.describe(cpu) == (1, "out of memory (RAM: asked for 32.00 GiB); free memory, then rerun the same "
+                                    "command to resume; or lower --total-seq-len (8,192 now; the longest row needs "
+                                    "2,048) and start over with --overwrite or another --output-dir")
+    assert cli.describe(MemoryError())[1].startswith("out of memory; free memory, then rerun the same command")
 
 
 def test_an_interrupted_overwrite_run_is_told_to_resume_without_overwrite(monkeypatch):
