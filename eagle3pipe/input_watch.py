@@ -139,7 +139,7 @@ class BatchGuard:
             self.waited += time.perf_counter() - t0
             k += 1
             if self.what == "training":
-                faults.oom_point(k)  # a reliability test: the card runs out of memory at this step
+                faults.oom_point(k)  # a reliability test: out of memory at this step
             ids = batch.get("document_ids") if isinstance(batch, dict) else None
             n = None if ids is None else int((ids != -1).sum())
             self.tokens += n or 0
