@@ -22,7 +22,7 @@ import urllib.request
 from . import lifeline
 from .adapters import VLLM_CPU_MLA_COMPILATION
 from .engine_log import engine_output, last_error
-from .errors import RunError
+from .errors import RunError, UsageError
 from .inherited import child_pythonpath, kv_cache_gib, last_words
 
 log = logging.getLogger("eagle3")
@@ -125,15 +125,15 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
 def _cpu_kv_cache(model_path, max_model_len, kw):
     """cpu_kv_cache_bytes for make_llm's engine: its verifier, vLLM's max_num_seqs (256 where not given: the cap) and
     the eagle3 draft its speculative_config names."""
+    from .files import read_json
     from .verifier import model_files, text_config
     spec = kw.get("speculative_config") or {}
     draft = None
     if spec.get("method") == "eagle3":
         try:
-            with open(os.path.join(spec["model"], "config.json")) as f:
-                cfg = json.load(f)
+            cfg = read_json(os.path.join(spec["model"], "config.json"))
             draft = cfg.get("transformer_layer_config") or cfg
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, UsageError, KeyError, TypeError, AttributeError):
             draft = None  # the draft's checks are stage 05's; here the bound assumes four wide layers
     return cpu_kv_cache_bytes(text_config(model_files(model_path)[0]), max_model_len, kw.get("max_num_seqs") or 256,
                               draft, spec.get("num_speculative_tokens") or 0)
