@@ -7,7 +7,8 @@ Usage:
 
 Inputs:  --model-path (HF folder or hub id: tokenizer + chat template); --dataset (`sharegpt` = the embedded
          ShareGPT, a .jsonl/.json/.parquet file or folder, or a hub dataset id). ShareGPT
-         `conversations[{from, value}]` and OpenAI `messages[{role, content}]`, detected per record.
+         `conversations[{from, value}]` and OpenAI `messages[{role, content}]`, detected per record; OpenAI
+         tool use (`tool_calls`, `tool` results, the record's `tools`) where the verifier's template renders it.
 Outputs: --output-dir/tokenized_data.jsonl  one {"id", "input_ids", "loss_mask"} per line
          --output-dir/token_freq.npy        int64 [V] counts of loss-masked tokens per verifier token id
          --output-dir/manifest.json         arguments, verifier fingerprint, counts, versions, command

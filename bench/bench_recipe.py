@@ -86,7 +86,8 @@ def held_out(w, per_kind, prep="prep_orig"):
     path = f"{w}/heldout.jsonl"
     if os.path.isfile(path):
         return
-    from eagle3pipe.conversations import iter_records, normalize
+    from eagle3pipe.conversations import iter_records
+    from eagle3pipe.messages import normalize
     from eagle3pipe.masks import load_tokenizer
     tok = load_tokenizer(MODEL, False)
     skip = json.load(open(f"{w}/{prep}/manifest.json"))["counts"]["records_read"]

@@ -184,7 +184,7 @@ def train(w, states, runs, parallel, extra):
 
 
 def prompts(w):
-    from eagle3pipe.conversations import normalize
+    from eagle3pipe.messages import normalize
     from eagle3pipe.masks import load_tokenizer, prompt_ids
     tok = load_tokenizer(MODEL, False)
     rows = [json.loads(line) for line in open(f"{w}/heldout.jsonl")]

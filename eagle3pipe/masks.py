@@ -12,6 +12,11 @@ prompt opening the answer with text, as DeepSeek-R1's "<think>"), the answer sta
 part, provided the conversation before it is the full render's. A turn still not found (a template that moves
 earlier text, or drops earlier answers) is left untrained and counted, never guessed.
 
+A tool call is part of its assistant turn: the template renders it there, and it is trained as the answer is; the
+tool's result is a turn of its own, context. The record's tool definitions go to every render (`tools`). A template
+that renders an answer but drops its call (one written for chat alone) is refused: the draft would learn to end
+the turn where the verifier calls the tool.
+
 The full text is tokenized whole, as the verifier's engine tokenizes it; a token is trained when it lies inside an
 answer's span.
 """
@@ -24,6 +29,10 @@ from .errors import UsageError
 
 class TemplateError(Exception):
     """The template refused a conversation (e.g. roles must alternate)."""
+
+
+class ToolCallsNotRendered(UsageError):
+    """The template renders an assistant turn without the tool call it makes."""
 
 
 class TemplateTooSlow(UsageError):
@@ -68,9 +77,9 @@ def load_tokenizer(model_path, trust_remote_code=False):
     return tok
 
 
-def render(tok, messages, generation_prompt):
+def render(tok, messages, generation_prompt, tools=None):
     try:
-        return _budgeted(tok, tok.apply_chat_template, messages, tokenize=False,
+        return _budgeted(tok, tok.apply_chat_template, messages, tools=tools, tokenize=False,
                          add_generation_prompt=generation_prompt)
     except UsageError:
         raise
@@ -79,12 +88,13 @@ def render(tok, messages, generation_prompt):
 
 
 def probe_template(tok, records):
-    """Render the first record (rid, messages) once, within the time budget: one line naming the template and the
-    record if it loops. A template that refuses the record is the loop's business (counted there), not a refusal."""
-    for rid, messages in records[:1]:
+    """Render the first record (rid, messages, tools) once, within the time budget: one line naming the template and
+    the record if it loops. A template that refuses the record is the loop's business (counted there), not a
+    refusal."""
+    for rid, messages, tools in records[:1]:
         try:
-            assistant_spans(tok, messages)
-        except TemplateTooSlow as e:
+            assistant_spans(tok, messages, tools=tools)
+        except (TemplateTooSlow, ToolCallsNotRendered) as e:
             raise UsageError(f"record {rid}: {e}")
         except TemplateError:
             pass
@@ -162,31 +172,32 @@ def _shared_head(tok, a, b):
     return _token_end(tok, a, _common(a, b))
 
 
-def _answer_start(tok, messages, i, full):
+def _answer_start(tok, messages, i, full, tools=None):
     """Where assistant turn i's text starts in `full` (characters), or None when what the verifier answers from is
     not what `full` holds before it (a template that moves earlier text, e.g. a system prompt onto the last turn)."""
     if not i:  # no prompt to render: the answer starts where the renders of two different answers part
-        a, b = (render(tok, [{"role": "assistant", "content": x}], False) for x in "AB")
+        a, b = (render(tok, [{"role": "assistant", "content": x}], False, tools) for x in "AB")
         k = _common(a, b)
         return k if full.startswith(a[:k]) else None
-    p = render(tok, messages[:i], True)
+    p = render(tok, messages[:i], True, tools)
     if full.startswith(p):
         return len(p)
     # a generation prompt that opens the answer with text its rendered answer lacks (DeepSeek-R1's "<think>\n"): the
     # conversation so far must still be full's; the answer starts where p and full part, or before, where two
     # different answers part (an answer opening with the prompt's own first characters, "<" of "<think>")
-    k = _common(render(tok, messages[:i], False), p)
+    k = _common(render(tok, messages[:i], False, tools), p)
     if not full.startswith(p[:k]):
         return None
-    a, b = (render(tok, messages[:i] + [dict(messages[i], content=x)], False) for x in "AB")
+    a, b = (render(tok, messages[:i] + [dict(messages[i], content=x)], False, tools) for x in "AB")
     ab = _common(a, b)
     start = _common(p, full)
     return ab if k <= ab < start and full.startswith(a[:ab]) else start
 
 
-def _answer_end(tok, messages, i, full, start):
-    """Where assistant turn i's text (its content and the template's end-of-turn) ends in `full`, or None."""
-    q = render(tok, messages[: i + 1], False)
+def _answer_end(tok, messages, i, full, start, tools=None):
+    """Where assistant turn i's text (its content, any tool call, and the template's end-of-turn) ends in `full`, or
+    None."""
+    q = render(tok, messages[: i + 1], False, tools)
     if full.startswith(q) and len(q) > start:
         return len(q)
     # the turn ends otherwise as the last of a render than as an earlier one: a template that closes a render with
@@ -195,8 +206,8 @@ def _answer_end(tok, messages, i, full, start):
     marked = messages[:i] + [dict(messages[i], content=messages[i]["content"] + MARK)]
     after = [{"role": "user", "content": "A"}]
     try:
-        h, h2 = render(tok, messages[: i + 1] + after, False), render(tok, marked + after, False)
-        q2 = render(tok, marked, False)
+        h, h2 = render(tok, messages[: i + 1] + after, False, tools), render(tok, marked + after, False, tools)
+        q2 = render(tok, marked, False, tools)
     except TemplateError:
         return None
     c, cq = _common(h, h2), _common(q, q2)
@@ -206,10 +217,32 @@ def _answer_end(tok, messages, i, full, start):
     return end if end > start and full.startswith(h[:end]) else None
 
 
-def assistant_spans(tok, messages, full=None, limit=None):
+def _check_calls_rendered(tok, messages, i, text, tools):
+    """Each of turn i's tool calls must change its render and show in its text (`text`) by name: a template written
+    for chat alone renders the answer's text and drops the call."""
+    calls = messages[i].get("tool_calls")
+    if not calls:
+        return
+    missing = next((c["function"]["name"] for c in calls if c["function"]["name"] not in text), None)
+    if missing is None:
+        try:  # the name may stand in the answer's text: the render without the call must differ
+            bare = {k: v for k, v in messages[i].items() if k != "tool_calls"}
+            if render(tok, messages[:i] + [bare], False, tools) == render(tok, messages[: i + 1], False, tools):
+                missing = calls[0]["function"]["name"]
+        except TemplateError:
+            pass
+    if missing is not None:
+        raise ToolCallsNotRendered(
+            f"the chat template of {getattr(tok, 'name_or_path', '') or 'the tokenizer'} does not render tool "
+            f"calls: message {i}'s call to {missing!r} is not in its render; leave records with tool calls out, or "
+            f"give a template that renders them")
+
+
+def assistant_spans(tok, messages, full=None, limit=None, tools=None):
     """(full text, [(start, end) character spans of trained assistant text], number of unaligned turns). `limit`:
-    the character where the row is cut (--max-seq-len): turns after it are not looked for."""
-    full = render(tok, messages, False) if full is None else full
+    the character where the row is cut (--max-seq-len): turns after it are not looked for. `tools`: the record's
+    tool definitions, given to every render."""
+    full = render(tok, messages, False, tools) if full is None else full
     spans, unaligned, pos = [], 0, 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -218,13 +251,14 @@ def assistant_spans(tok, messages, full=None, limit=None):
             break
         try:  # only the whole render may refuse a conversation: a prefix a template refuses (a check for a user
             # turn, say) leaves that turn untrained
-            start = _answer_start(tok, messages, i, full)
-            end = _answer_end(tok, messages, i, full, start) if start is not None and start >= pos else None
+            start = _answer_start(tok, messages, i, full, tools)
+            end = _answer_end(tok, messages, i, full, start, tools) if start is not None and start >= pos else None
         except TemplateError:
             end = None
         if end is None:
             unaligned += 1
             continue
+        _check_calls_rendered(tok, messages, i, full[start:end], tools)
         spans.append((start, end))
         pos = end
     return full, spans, unaligned
@@ -241,20 +275,21 @@ def _offsets(tok, text):
     return (ids, offsets) if len(ids) == len(offsets) else None
 
 
-def tokenize_conversation(tok, messages, max_seq_len):
-    """-> (input_ids, loss_mask, info). Truncated to max_seq_len; info has 'unaligned' and 'truncated'.
+def tokenize_conversation(tok, messages, max_seq_len, tools=None):
+    """-> (input_ids, loss_mask, info). Truncated to max_seq_len; info has 'unaligned' and 'truncated'. `tools`: the
+    record's tool definitions (the template writes them into the prompt).
 
     The whole render is tokenized at once, as the verifier's engine tokenizes a prompt, and a token is trained when
     it lies wholly inside an answer's span (one that straddles a boundary is context). Segment by segment would give
     each segment a tokenizer's start-of-text treatment: SentencePiece-style tokenizers (Llama-2, Mistral) prepend a
     space to each, tokens the verifier never generates. A tokenizer without offsets is tokenized by segment."""
-    full = render(tok, messages, False)
+    full = render(tok, messages, False, tools)
     # a render far longer than max_seq_len tokens could cover is tokenized only that far (a 49 MB record took 144 s
     # whole): the cut lies at least max_seq_len + 1 tokens past the last token kept, where it changes none of them
     cap = 2 * (max_seq_len + 1) * longest_token(tok)
     whole = _offsets(tok, full[:cap] if len(full) > cap else full)
     limit = whole[1][max_seq_len][0] if whole is not None and len(whole[0]) > max_seq_len else None
-    full, spans, unaligned = assistant_spans(tok, messages, full, limit)
+    full, spans, unaligned = assistant_spans(tok, messages, full, limit, tools)
     ids, mask = [], []
     if whole is not None:
         ids, k = whole[0], 0

@@ -7,7 +7,7 @@ import json
 import os
 import random
 
-from . import cli, conversations, files, outdir, regenerate, verifier
+from . import cli, conversations, files, messages as chat, outdir, regenerate, verifier
 
 
 def check(args):
@@ -41,16 +41,22 @@ def read_conversations(args, log):
     if args.num_samples is not None:  # never read record N+1: a bad record past the selection is not ours to judge
         source = itertools.islice(source, args.num_samples)
     for where, rec in source:
-        rid, messages = conversations.normalize(where, rec)
+        rid, messages = chat.normalize(where, rec)
+        tools = chat.record_tools(where, rec)
         n += 1
+        if args.regenerate and chat.uses_tools(messages, tools):
+            # the verifier's new answer would not make the call the next messages answer
+            raise cli.UsageError(f"{where}: --regenerate rewrites chat, not tool use: this record "
+                                 f"{'calls a tool' if any(m.get('tool_calls') for m in messages) else 'offers tools'}"
+                                 f"; leave such records out, or drop --regenerate")
         if not messages:
             skipped["empty"] += 1
         elif not any(m["role"] == "assistant" for m in messages):
             skipped["no_assistant_turn"] += 1
-        elif not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        elif not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
             skipped["empty_answers"] += 1  # it would train on the end-of-turn token alone
         else:
-            records.append((rid or f"row{n - 1}", messages))
+            records.append((rid or f"row{n - 1}", messages, tools))
     if not records:
         raise cli.UsageError(f"--dataset {args.dataset}: no trainable conversation among {n} records "
                              f"(skipped: {dict(skipped)})")
@@ -73,12 +79,12 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
     freq = np.zeros(vocab, dtype=np.int64)
     rows, first_template_error, turns = [], None, 0
     bar = Progress(len(records), "prepare", "conversations")
-    for rid, messages in records:
+    for rid, messages, tools in records:
         bar.update(1)
         try:
-            ids, mask, meta = masks.tokenize_conversation(tok, messages, args.max_seq_len)
-        except masks.TemplateTooSlow as e:  # a loop in the template: no record is worth the wait
-            raise cli.UsageError(f"record {rid}: {e}")
+            ids, mask, meta = masks.tokenize_conversation(tok, messages, args.max_seq_len, tools)
+        except (masks.TemplateTooSlow, masks.ToolCallsNotRendered) as e:  # a loop in the template, or a template
+            raise cli.UsageError(f"record {rid}: {e}")  # that drops calls: no record is worth the wait
         except masks.TemplateError as e:
             skipped["template_error"] += 1
             first_template_error = first_template_error or f"{rid}: {e}"

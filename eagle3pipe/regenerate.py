@@ -89,19 +89,19 @@ def load_cache(paths, settings):
 
 
 def run(records, tok, args, out):
-    """[(id, messages)] -> (the same with assistant turns regenerated, counts, this run's answers as
+    """[(id, messages, tools)] -> (the same with assistant turns regenerated, counts, this run's answers as
     [{"id", "turn", "text", "settings"}]). Resumable (see above); `out` is stage 01's claimed output folder."""
     settings, path = settings_of(args), cache_path(out)
     done = load_cache([os.path.join(out, "regenerated.jsonl"), path], settings)
     answers = []
     convs, lead = [], 0
-    for _, msgs in records:
+    for _, msgs, _ in records:  # no record here uses tools (read_conversations refuses them)
         # an assistant turn that opens the conversation answers nothing: the verifier would never say it
         k = next((m for m, x in enumerate(msgs) if x["role"] != "assistant"), len(msgs))
         lead += k
         # the verifier writes its own reasoning into the answers it regenerates: the data's would sit beside it
         convs.append([{key: v for key, v in m.items() if key != "reasoning_content"} for m in msgs[k:]])
-    ids = [rid for rid, _ in records]
+    ids = [r[0] for r in records]
     cut = {}  # conversation -> index of the first message dropped (its prompt reached --max-seq-len)
     counts = {"turns_regenerated": 0, "turns_from_cache": 0, "conversations_cut": 0, "opening_turns_dropped": lead}
     llm, turn = None, 0
@@ -163,5 +163,5 @@ def run(records, tok, args, out):
     for j, m in cut.items():
         del convs[j][m:]
     counts["conversations_cut"] = len(cut)
-    kept = [(rid, msgs) for rid, msgs in zip(ids, convs) if any(x["role"] == "assistant" for x in msgs)]
+    kept = [(rid, msgs, None) for rid, msgs in zip(ids, convs) if any(x["role"] == "assistant" for x in msgs)]
     return kept, counts, answers

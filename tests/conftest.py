@@ -92,7 +92,8 @@ def short_prompts(tmp_path_factory):
     past record 100) of 20-400 characters. The default prompts after a small stage 01 run to 3,500 tokens, and on a
     2-core CPU every engine and the measure spent most of their time in those prefills, which no stage 05 test is
     about (tests/cli/test_evaluate.py checks the prompts' lengths against the verifier's positions)."""
-    from eagle3pipe.conversations import iter_records, normalize
+    from eagle3pipe.conversations import iter_records
+    from eagle3pipe.messages import normalize
     out, rows = tmp_path_factory.mktemp("prompts") / "held_out.jsonl", []
     for i, (where, rec) in enumerate(iter_records("sharegpt")):
         if i < 2000:

@@ -59,7 +59,7 @@ def test_refusals(model_path, stages, trained, tmp_path):
 
 def test_prompts_are_held_out(stages):
     import argparse
-    from eagle3pipe import conversations, heldout
+    from eagle3pipe import conversations, heldout, messages
     man = json.load(open(stages["prepared"] / "manifest.json"))
     skip = man["counts"]["records_read"]
     args = argparse.Namespace(prompts="sharegpt", num_prompts=5)
@@ -68,7 +68,7 @@ def test_prompts_are_held_out(stages):
     for i, (where, rec) in enumerate(conversations.iter_records("sharegpt")):
         if i >= skip:
             break
-        _, msgs = conversations.normalize(where, rec)
+        _, msgs = messages.normalize(where, rec)
         trained_firsts.update(m["content"] for m in msgs if m["role"] == "user")
     assert len(prompts) == 5
     for p in prompts:
@@ -210,7 +210,7 @@ def test_a_prompt_is_the_first_user_turn_after_any_system_turn(tmp_path):
     got = heldout.select_prompts(argparse.Namespace(prompts=str(data), num_prompts=5), 0, wheres)
     assert got == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]]
     assert wheres == [f"{data}:1"]
-    # what follows the prompt is not read: a later tool call (which stage 01 refuses) does not cost the record
+    # what follows the prompt is not read: a later tool call, malformed here (no function), does not cost the record
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "Weather in Paris?"},
                                              {"role": "assistant", "content": None,
                                               "tool_calls": [{"id": "1", "type": "function"}]},

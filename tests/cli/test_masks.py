@@ -283,3 +283,42 @@ def test_a_record_far_longer_than_max_seq_len_is_tokenized_only_as_far_as_it_mat
             m.setattr(masks, "longest_token", lambda tok: 10 ** 9)  # no cut: the whole render tokenized
             whole = masks.tokenize_conversation(tokenizer, conv, max_len)
         assert cut == whole and cut[2]["truncated"] and len(cut[0]) == max_len and sum(cut[1]) > 0
+
+
+def test_a_dropped_tool_call_is_refused_even_where_the_answer_names_the_tool(tokenizer):
+    """The embedded ChatML template renders an answer's text and drops its call. Its name standing in the text must
+    not pass for the call: the turn rendered with and without the call is the same, and that is what refuses."""
+    conv = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "I will ask get_weather.", "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {}}}]},
+            {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]
+    with pytest.raises(masks.ToolCallsNotRendered, match=r"does not render tool calls: message 1's call to "
+                                                         r"'get_weather' is not in its render"):
+        masks.tokenize_conversation(tokenizer, conv, 4096)
+    # without the call, the same conversation trains as chat
+    plain = [dict(conv[1], tool_calls=None) if i == 1 else m for i, m in enumerate(conv)]
+    plain[1].pop("tool_calls")
+    _, mask, info = masks.tokenize_conversation(tokenizer, plain, 4096)
+    assert any(mask) and info["unaligned"] == 0
+
+
+def test_tool_calls_render_where_the_template_puts_them_with_tools_in_every_render(tokenizer):
+    """Qwen2.5's tool-use template: the tools are written into the system prompt, so every render a span is found
+    from must carry them (a render without them put no answer where the whole conversation has it); a call with text
+    trains both; consecutive results share one user turn, context."""
+    tok = with_template(tokenizer, "qwen2.5-tools.jinja", [])
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    conv = [{"role": "assistant", "content": "Ask me."},  # an opening answer: found with the tools rendered too
+            {"role": "user", "content": "Find a and b."},
+            {"role": "assistant", "content": "Looking.", "tool_calls": [
+                {"type": "function", "function": {"name": "lookup", "arguments": {"q": "a"}}},
+                {"type": "function", "function": {"name": "lookup", "arguments": {"q": "b"}}}]},
+            {"role": "tool", "content": "A"}, {"role": "tool", "content": "B"},
+            {"role": "assistant", "content": "a is A, b is B."}]
+    ids, mask, info = masks.tokenize_conversation(tok, conv, 4096, tools)
+    assert info == {"unaligned": 0, "truncated": False}
+    assert tok.decode(ids) == tok.apply_chat_template(conv, tools=tools, tokenize=False)
+    call = '\n<tool_call>\n{{"name": "lookup", "arguments": {{"q": "{}"}}}}\n</tool_call>'
+    assert masked_spans(tok, ids, mask) == [
+        "Ask me.<|im_end|>\n", "Looking." + call.format("a") + call.format("b") + "<|im_end|>\n",
+        "a is A, b is B.<|im_end|>\n"]

@@ -266,3 +266,50 @@ def test_turns_the_template_does_not_place_are_said_and_a_selection_reads_nothin
     assert p.returncode == 2 and f"error: --model-path {model}: its chat template renders 1 of 1 assistant turns" \
         in p.stderr and "no conversation has a turn left to train" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "out2").exists()
+
+
+def test_tool_use_trains_the_call_inside_its_turn_and_a_template_that_drops_calls_is_refused(tmp_path, model_path,
+                                                                                            tokenizer):
+    """Tool-use records were refused whatever the verifier. With a template that renders tool use (Qwen2.5's), the
+    call is trained as the rest of its answer (its arguments written as the object vLLM hands the template, not as
+    quoted text), and the tool definitions and results are context. A template that drops calls (the embedded
+    SmolLM2's) would teach the draft to end the turn where the verifier calls: refused, naming the record, before
+    the folder is taken."""
+    import shutil
+    from conftest import FIXTURES
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in os.listdir(model_path):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_path, name), model / name)
+    shutil.copy(os.path.join(FIXTURES, "templates", "qwen2.5-tools.jinja"), model / "chat_template.jinja")
+    tool = {"id": "t1", "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
+            "messages": [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+                             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                         {"role": "tool", "content": "sunny"},
+                         {"role": "assistant", "content": "It is sunny."}]}
+    data = bad(tmp_path, "d.jsonl", json.dumps(GOOD) + "\n" + json.dumps(tool) + "\n")
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", str(model), "--dataset", data,
+                      "--output-dir", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    row = next(r for r in map(json.loads, open(tmp_path / "out" / "tokenized_data.jsonl")) if r["id"] == "t1")
+    trained, cur = [], []
+    for i, m in zip(row["input_ids"] + [None], row["loss_mask"] + [0]):
+        if m:
+            cur.append(i)
+        elif cur:
+            trained.append(tokenizer.decode(cur)); cur = []
+    assert trained == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+                       "It is sunny.<|im_end|>\n"]
+    text = tokenizer.decode(row["input_ids"])
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text  # the tools: context
+    assert "<tool_response>\nsunny\n</tool_response>" in text  # the result: context
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--dataset", data,
+                      "--output-dir", str(tmp_path / "out2"))
+    lines = [line for line in p.stderr.strip().splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and lines == [
+        f"error: record t1: the chat template of {model_path} does not render tool calls: message 1's call to "
+        f"'get_weather' is not in its render; leave records with tool calls out, or give a template that renders "
+        f"them"], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and not (tmp_path / "out2").exists()

@@ -1,21 +1,22 @@
-"""Record parsing: both formats, role aliases, the embedded ShareGPT stream, and errors naming the record."""
+"""Record parsing: both formats, role aliases, tool use, the embedded ShareGPT stream, and errors naming the record."""
+import argparse
 import json
 
 import pytest
 
-from eagle3pipe import conversations as conv
+from eagle3pipe import conversations as conv, messages as chat
 from eagle3pipe.cli import UsageError
 
 
 
 def test_sharegpt_and_openai_formats():
-    rid, msgs = conv.normalize("r", {"id": "a", "conversations": [
+    rid, msgs = chat.normalize("r", {"id": "a", "conversations": [
         {"from": "system", "value": "s"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
         {"from": "user", "value": "q2"}, {"from": "chatgpt", "value": "a2"}, {"from": "bing", "value": "a3"},
         {"from": "bard", "value": "a4"}]})
     assert rid == "a"
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "assistant", "assistant"]
-    rid, msgs = conv.normalize("r", {"messages": [{"role": "user", "content": "q"},
+    rid, msgs = chat.normalize("r", {"messages": [{"role": "user", "content": "q"},
                                                   {"role": "assistant", "content": [{"type": "text", "text": "a"},
                                                                                     {"type": "text", "text": "b"}]}]})
     assert rid is None and msgs == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ab"}]
@@ -23,47 +24,54 @@ def test_sharegpt_and_openai_formats():
 
 def test_each_format_takes_the_other_s_keys_and_openai_s_developer_role():
     # 'messages' written with from/value was refused as "content must be a string, got NoneType"
-    _, msgs = conv.normalize("r", {"messages": [{"role": "developer", "content": "be brief"},
+    _, msgs = chat.normalize("r", {"messages": [{"role": "developer", "content": "be brief"},
                                                 {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]})
     assert msgs == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
                     {"role": "assistant", "content": "a"}]
-    _, msgs = conv.normalize("r", {"conversations": [{"role": "user", "content": "q"}, {"from": "gpt", "value": "a"}]})
+    _, msgs = chat.normalize("r", {"conversations": [{"role": "user", "content": "q"}, {"from": "gpt", "value": "a"}]})
     assert msgs == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
 
 
 def test_a_null_field_is_an_absent_one_and_reasoning_is_kept():
     # Arrow fills the other format's column with null: the record was skipped as empty
-    _, msgs = conv.normalize("r", {"conversations": None, "messages": [{"role": "user", "content": "q"},
+    _, msgs = chat.normalize("r", {"conversations": None, "messages": [{"role": "user", "content": "q"},
                                                                       {"role": "assistant", "content": "a"}]})
     assert msgs == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    _, msgs = conv.normalize("r", {"conversations": [{"from": "human", "value": "q"}], "messages": None})
+    _, msgs = chat.normalize("r", {"conversations": [{"from": "human", "value": "q"}], "messages": None})
     assert msgs == [{"role": "user", "content": "q"}]
-    assert conv.normalize("r", {"conversations": None, "messages": None})[1] == []
+    assert chat.normalize("r", {"conversations": None, "messages": None})[1] == []
     # a parquet of both formats: every message has all four keys, the other format's null
     both = {"from": None, "value": None, "role": "user", "content": "q"}, {"from": "gpt", "value": "a", "role": None,
                                                                           "content": None}
-    assert conv.normalize("r", {"conversations": list(both)})[1] == [{"role": "user", "content": "q"},
+    assert chat.normalize("r", {"conversations": list(both)})[1] == [{"role": "user", "content": "q"},
                                                                     {"role": "assistant", "content": "a"}]
-    assert conv.normalize("r", {"messages": list(both)})[1] == [{"role": "user", "content": "q"},
+    assert chat.normalize("r", {"messages": list(both)})[1] == [{"role": "user", "content": "q"},
                                                                {"role": "assistant", "content": "a"}]
     # a reasoning template renders it: dropping it trained an empty thinking block
-    _, msgs = conv.normalize("r", {"messages": [{"role": "user", "content": "q"},
+    _, msgs = chat.normalize("r", {"messages": [{"role": "user", "content": "q"},
                                                 {"role": "assistant", "content": "A", "reasoning_content": "think"}]})
     assert msgs[1] == {"role": "assistant", "content": "A", "reasoning_content": "think"}
 
 
 @pytest.mark.parametrize("record,match", [
     ({"conversations": [{"from": "alien", "value": "x"}]}, "unknown role 'alien'"),
+    # a tool call must say what it calls, with an object of arguments (JSON text or the object itself)
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None,
                                                       "tool_calls": [{"id": "1", "type": "function"}]}]},
-     r"message 1 is a tool call \('tool_calls'\); tool calls are not supported"),
-    # with empty or any text beside the call: dropping the call trained an answer that ends where the verifier calls
+     r"message 1 tool call 0 must be \{\"type\": \"function\""),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
-                                                      "tool_calls": [{"id": "1", "type": "function"}]}]},
-     r"message 1 is a tool call"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Let me look.",
-                                                      "tool_calls": [{"id": "1", "type": "function"}]}]},
-     r"message 1 is a tool call"),
+                                                      "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     r"message 1 tool call 0 has no function name"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"function": {"name": "f", "arguments": '{"city": "Par'}}]}]},
+     r"message 1 tool call 0 \(f\) arguments are not valid JSON \(Unterminated string"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": "[1, 2]"}}]}]},
+     r"message 1 tool call 0 \(f\) arguments must be a JSON object, got list"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": "f()"}]},
+     r"message 1 'tool_calls' must be a list"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "function_call": "f()"}]},
+     r"message 1 'tool_calls' must be a list of calls"),
     ({"conversations": "hello"}, "must be a list"),
     ({"conversations": [{"from": "human", "value": 3}]}, "content must be a string"),
     ({"text": "hi"}, "no 'conversations'"),
@@ -71,8 +79,43 @@ def test_a_null_field_is_an_absent_one_and_reasoning_is_kept():
 ])
 def test_malformed_records_name_the_record(record, match):
     with pytest.raises(UsageError, match=match) as e:
-        conv.normalize("data.jsonl:7", record)
+        chat.normalize("data.jsonl:7", record)
     assert str(e.value).startswith("data.jsonl:7")
+
+
+def test_tool_use_is_kept_as_chat_templates_read_it():
+    """A call's arguments given as JSON text become their object, as vLLM hands them to the template when it serves
+    (a template writes them with tojson: text would come out quoted); a call alone has "" as its text; a result keeps
+    what pairs it with its call; OpenAI's older function_call and "function" results read as the newer form."""
+    rec = {"tools": '[{"type": "function", "function": {"name": "get_weather"}}]', "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny.", "tool_calls": []},
+        {"role": "assistant", "content": None, "function_call": {"name": "get_time", "arguments": ""}},
+        {"role": "function", "name": "get_time", "content": "noon"}]}
+    _, msgs = chat.normalize("r", rec)
+    assert msgs == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}, "id": "c1"}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "get_weather"},
+        {"role": "assistant", "content": "Sunny."},  # an empty list is no call
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+        {"role": "tool", "content": "noon", "name": "get_time"}]
+    assert chat.record_tools("r", rec) == [{"type": "function", "function": {"name": "get_weather"}}]
+    assert chat.uses_tools(msgs, None) and chat.uses_tools([], [{"x": 1}]) and not chat.uses_tools(msgs[:1], [])
+    assert chat.record_tools("r", {"messages": [], "tools": None}) is None  # Arrow's null column
+    for tools, match in (('[{"name": ', r"'tools' are not valid JSON"), ({"name": "f"}, r"'tools' must be a list"),
+                         (["f"], r"'tools' entry 0 must be a JSON object, got str")):
+        with pytest.raises(UsageError, match=match):
+            chat.record_tools("r", {"messages": [], "tools": tools})
+    # stage 05's prompt reads through the first user turn: a call in an earlier assistant turn is not its business
+    _, head = chat.normalize("r", {"messages": [{"role": "assistant", "content": None, "tool_calls": "broken"},
+                                                {"role": "user", "content": "q"}]}, through_first_user=True)
+    assert head == [{"role": "assistant", "content": ""}, {"role": "user", "content": "q"}]
 
 
 def test_jsonl_errors_name_the_line(tmp_path):
@@ -111,7 +154,7 @@ def test_embedded_sharegpt_streams_to_its_truncation():
     info = {}
     n = 0
     for where, rec in conv.iter_records("sharegpt", info=info):
-        conv.normalize(where, rec)
+        chat.normalize(where, rec)
         n += 1
     assert n == 17671 and info["truncated_source"] is True
 
@@ -143,7 +186,7 @@ def test_parquet_is_read_in_batches_with_both_formats_and_a_broken_file_is_named
             for i in range(600)]
     path = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=100)
-    got = [conv.normalize(w, r)[1] for w, r in itertools.islice(conv.iter_records(str(path)), 3)]
+    got = [chat.normalize(w, r)[1] for w, r in itertools.islice(conv.iter_records(str(path)), 3)]
     assert got == [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}] for i in range(3)]
     assert sum(1 for _ in conv.iter_records(str(path))) == 600
     bad = tmp_path / "cut.parquet"
@@ -161,3 +204,28 @@ def test_the_name_sharegpt_is_the_embedded_data_and_a_local_folder_of_that_name_
     conv.check_dataset("sharegpt")
     assert "--dataset sharegpt: the embedded ShareGPT; ./sharegpt here is not read (give --dataset ./sharegpt" \
         in caplog.text
+
+
+def test_regenerate_refuses_tool_use_naming_the_record_and_a_call_alone_is_an_answer(tmp_path):
+    """--regenerate rewrites each answer from the verifier: a rewritten call would not be the call the next messages
+    answer, so a record that calls or offers tools is refused before any model loads. Without it, a turn that only
+    calls a tool is an answer (it was skipped as an empty one)."""
+    import logging
+    from eagle3pipe import preparation
+    call = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}
+    offer = {"tools": [{"type": "function", "function": {"name": "f"}}], "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    for rec, what in ((call, "calls a tool"), (offer, "offers tools")):
+        data = tmp_path / "d.jsonl"
+        data.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant",
+                                                                                 "content": "a"}]}) + "\n"
+                        + json.dumps(rec) + "\n")
+        args = argparse.Namespace(dataset=str(data), split="train", num_samples=None, regenerate=True)
+        with pytest.raises(UsageError, match=rf"d.jsonl:2: --regenerate rewrites chat, not tool use: this record "
+                                             rf"{what}; leave such records out, or drop --regenerate"):
+            preparation.read_conversations(args, logging.getLogger("t"))
+        args.regenerate = False
+        records, n, skipped, _ = preparation.read_conversations(args, logging.getLogger("t"))
+        assert n == 2 and len(records) == 2 and not skipped
+        assert records[1][2] == (offer["tools"] if rec is offer else None)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from eagle3pipe import conversations as conv
+from eagle3pipe import conversations as conv, messages
 from eagle3pipe import verifier
 from eagle3pipe.cli import UsageError
 
@@ -26,13 +26,13 @@ def test_folder_hidden_entries_skipped_links_to_files_followed(tmp_path):
 
 def test_ids_become_strings_safely():
     nested = {"b": [1, {"c": None}], "a": "\ud800"}
-    assert conv.normalize("r", {**CHAT, "id": nested})[0] == '{"a":"\\ud800","b":[1,{"c":null}]}'
-    assert conv.normalize("r", {**CHAT, "id": 7})[0] == "7"
-    assert conv.normalize("r", {**CHAT, "conversation_id": [1, 2]})[0] == "[1,2]"
+    assert messages.normalize("r", {**CHAT, "id": nested})[0] == '{"a":"\\ud800","b":[1,{"c":null}]}'
+    assert messages.normalize("r", {**CHAT, "id": 7})[0] == "7"
+    assert messages.normalize("r", {**CHAT, "conversation_id": [1, 2]})[0] == "[1,2]"
     deep = json.loads("[" * 500 + "]" * 500)
-    assert json.loads(conv.normalize("r", {**CHAT, "id": deep})[0]) == deep
+    assert json.loads(messages.normalize("r", {**CHAT, "id": deep})[0]) == deep
     with pytest.raises(UsageError, match=r"^r: 'id' is not valid Unicode"):
-        conv.normalize("r", {**CHAT, "id": "x\udfff"})
+        messages.normalize("r", {**CHAT, "id": "x\udfff"})
 
 
 DEEP = 100_000

@@ -23,8 +23,8 @@ def test_records_sharing_an_id_keep_their_own_answers_on_a_rerun(tmp_path):
                                 "settings": settings}) + "\n")
         # a line of a version that keyed by id and turn only: never trusted
         f.write(json.dumps({"id": "1", "turn": 0, "text": "an answer to something", "settings": settings}) + "\n")
-    kept, counts, answers = regenerate.run([("1", france), ("1", primes)], None, args, str(tmp_path))
-    assert [m[1]["content"] for _, m in kept] == ["Paris.", "2, 3 and 5."]
+    kept, counts, answers = regenerate.run([("1", france, None), ("1", primes, None)], None, args, str(tmp_path))
+    assert [m[1]["content"] for _, m, _ in kept] == ["Paris.", "2, 3 and 5."]
     assert counts["turns_from_cache"] == 2 and counts["turns_regenerated"] == 0
     assert {a["prompt"] for a in answers} == {regenerate.prompt_digest(france[:1]), regenerate.prompt_digest(primes[:1])}
     # an edited record (same id, another question) is not answered from the cache: it would go to the engine
