@@ -13,13 +13,15 @@ part, provided the conversation before it is the full render's. A turn still not
 earlier text, or drops earlier answers) is left untrained and counted, never guessed.
 
 A tool call is part of its assistant turn: the template renders it there, and it is trained as the answer is; the
-tool's result is a turn of its own, context. The record's tool definitions go to every render (`tools`). A template
-that renders an answer but drops its call (one written for chat alone) is refused: the draft would learn to end
-the turn where the verifier calls the tool.
+tool's result is a turn of its own, context. The record's tool definitions go to every render (`tools`). Calls are
+rendered in the first form the template takes them in (for_template). A conversation whose call the template drops
+(one written for chat alone) raises ToolCallsNotRendered: trained, the draft would learn to end the turn where the
+verifier calls the tool.
 
 The full text is tokenized whole, as the verifier's engine tokenizes it; a token is trained when it lies inside an
 answer's span.
 """
+import json
 import os
 import weakref
 
@@ -31,8 +33,8 @@ class TemplateError(Exception):
     """The template refused a conversation (e.g. roles must alternate)."""
 
 
-class ToolCallsNotRendered(UsageError):
-    """The template renders an assistant turn without the tool call it makes."""
+class ToolCallsNotRendered(TemplateError):
+    """The template renders an assistant turn without a tool call it makes."""
 
 
 class TemplateTooSlow(UsageError):
@@ -94,7 +96,7 @@ def probe_template(tok, records):
     for rid, messages, tools in records[:1]:
         try:
             assistant_spans(tok, messages, tools=tools)
-        except (TemplateTooSlow, ToolCallsNotRendered) as e:
+        except TemplateTooSlow as e:
             raise UsageError(f"record {rid}: {e}")
         except TemplateError:
             pass
@@ -203,7 +205,7 @@ def _answer_end(tok, messages, i, full, start, tools=None):
     # the turn ends otherwise as the last of a render than as an earlier one: a template that closes a render with
     # extra text (Phi-3's end-of-text), or renders the last answer otherwise (Qwen3's empty thinking block). Find the
     # content's end in both renders with a marked copy of the answer; the end-of-turn is what follows it in both.
-    marked = messages[:i] + [dict(messages[i], content=messages[i]["content"] + MARK)]
+    marked = messages[:i] + [dict(messages[i], content=(messages[i]["content"] or "") + MARK)]
     after = [{"role": "user", "content": "A"}]
     try:
         h, h2 = render(tok, messages[: i + 1] + after, False, tools), render(tok, marked + after, False, tools)
@@ -217,32 +219,79 @@ def _answer_end(tok, messages, i, full, start, tools=None):
     return end if end > start and full.startswith(h[:end]) else None
 
 
-def _check_calls_rendered(tok, messages, i, text, tools):
-    """Each of turn i's tool calls must change its render and show in its text (`text`) by name: a template written
-    for chat alone renders the answer's text and drops the call."""
+def _turn_with_calls(message, k):
+    """An assistant message with its first k tool calls (none: no call, its null text as "")."""
+    m = {key: v for key, v in message.items() if key != "tool_calls"}
+    if k:
+        m["tool_calls"] = message["tool_calls"][:k]
+    elif m["content"] is None:
+        m["content"] = ""
+    return m
+
+
+def _check_calls_rendered(tok, messages, i, tools):
+    """Each of turn i's tool calls must change its render: a template written for chat alone renders the answer's
+    text and drops the call (and gpt-oss's renders a turn's first call alone). The render is compared, not searched
+    for the call's name: Kimi's templates write the call's id in its place."""
     calls = messages[i].get("tool_calls")
     if not calls:
         return
-    missing = next((c["function"]["name"] for c in calls if c["function"]["name"] not in text), None)
-    if missing is None:
-        try:  # the name may stand in the answer's text: the render without the call must differ
-            bare = {k: v for k, v in messages[i].items() if k != "tool_calls"}
-            if render(tok, messages[:i] + [bare], False, tools) == render(tok, messages[: i + 1], False, tools):
-                missing = calls[0]["function"]["name"]
-        except TemplateError:
-            pass
-    if missing is not None:
-        raise ToolCallsNotRendered(
-            f"the chat template of {getattr(tok, 'name_or_path', '') or 'the tokenizer'} does not render tool "
-            f"calls: message {i}'s call to {missing!r} is not in its render; leave records with tool calls out, or "
-            f"give a template that renders them")
+    try:
+        before = render(tok, messages[:i] + [_turn_with_calls(messages[i], 0)], False, tools)
+        for k, call in enumerate(calls, 1):
+            now = render(tok, messages[:i] + [_turn_with_calls(messages[i], k)], False, tools)
+            if now == before:
+                raise ToolCallsNotRendered(f"message {i}'s call to {call['function']['name']!r} is not in its render")
+            before = now
+    except ToolCallsNotRendered:
+        raise
+    except TemplateError:  # a template that refuses part of the calls (Llama 3.1: one a turn) rendered them all
+        pass
+
+
+def _call_forms(messages):
+    """The conversation in each form chat templates take tool calls in, vLLM's first: arguments as objects and a
+    call alone with "" as its text; then arguments as the JSON text these models write (DeepSeek's templates join
+    them to strings and fail on objects), and a call alone with null text (DeepSeek-V3's and R1's render a call
+    only then)."""
+    def form(text_args, null_text):
+        out = []
+        for m in messages:
+            if m.get("tool_calls"):
+                m = dict(m)
+                if text_args:
+                    m["tool_calls"] = [dict(c, function=dict(c["function"], arguments=json.dumps(
+                        c["function"]["arguments"], ensure_ascii=False))) for c in m["tool_calls"]]
+                if null_text and not m["content"]:
+                    m["content"] = None
+            out.append(m)
+        return out
+    return [messages] + [form(a, n) for a, n in ((True, False), (False, True), (True, True))]
+
+
+def for_template(tok, messages, tools=None):
+    """`messages` in the first form (_call_forms) the template renders whole with its first tool call in it; as
+    given where it calls no tool, or where no form does (the caller's checks then say why)."""
+    first = next((i for i, m in enumerate(messages) if m.get("tool_calls")), None)
+    if first is None:
+        return messages
+    for form in _call_forms(messages):
+        try:
+            render(tok, form, False, tools)
+            _check_calls_rendered(tok, form, first, tools)
+        except TemplateError:  # ToolCallsNotRendered included
+            continue
+        return form
+    return messages
 
 
 def assistant_spans(tok, messages, full=None, limit=None, tools=None):
     """(full text, [(start, end) character spans of trained assistant text], number of unaligned turns). `limit`:
     the character where the row is cut (--max-seq-len): turns after it are not looked for. `tools`: the record's
-    tool definitions, given to every render."""
-    full = render(tok, messages, False, tools) if full is None else full
+    tool definitions, given to every render. A tool call the template does not render raises ToolCallsNotRendered."""
+    if full is None:
+        messages = for_template(tok, messages, tools)
+        full = render(tok, messages, False, tools)
     spans, unaligned, pos = [], 0, 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -258,7 +307,7 @@ def assistant_spans(tok, messages, full=None, limit=None, tools=None):
         if end is None:
             unaligned += 1
             continue
-        _check_calls_rendered(tok, messages, i, full[start:end], tools)
+        _check_calls_rendered(tok, messages, i, tools)
         spans.append((start, end))
         pos = end
     return full, spans, unaligned
@@ -283,6 +332,7 @@ def tokenize_conversation(tok, messages, max_seq_len, tools=None):
     it lies wholly inside an answer's span (one that straddles a boundary is context). Segment by segment would give
     each segment a tokenizer's start-of-text treatment: SentencePiece-style tokenizers (Llama-2, Mistral) prepend a
     space to each, tokens the verifier never generates. A tokenizer without offsets is tokenized by segment."""
+    messages = for_template(tok, messages, tools)
     full = render(tok, messages, False, tools)
     # a render far longer than max_seq_len tokens could cover is tokenized only that far (a 49 MB record took 144 s
     # whole): the cut lies at least max_seq_len + 1 tokens past the last token kept, where it changes none of them

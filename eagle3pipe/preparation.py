@@ -78,13 +78,19 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
     counts = collections.Counter()
     freq = np.zeros(vocab, dtype=np.int64)
     rows, first_template_error, turns = [], None, 0
+    calling, first_dropped = 0, None  # records with a tool call; the first whose call the template drops
     bar = Progress(len(records), "prepare", "conversations")
     for rid, messages, tools in records:
         bar.update(1)
+        calling += any(m.get("tool_calls") for m in messages)
         try:
             ids, mask, meta = masks.tokenize_conversation(tok, messages, args.max_seq_len, tools)
-        except (masks.TemplateTooSlow, masks.ToolCallsNotRendered) as e:  # a loop in the template, or a template
-            raise cli.UsageError(f"record {rid}: {e}")  # that drops calls: no record is worth the wait
+        except masks.TemplateTooSlow as e:  # a loop in the template: no record is worth the wait
+            raise cli.UsageError(f"record {rid}: {e}")
+        except masks.ToolCallsNotRendered as e:  # trained, the answer would end where the verifier calls
+            skipped["tool_calls_not_rendered"] += 1
+            first_dropped = first_dropped or f"record {rid}: {e}"
+            continue
         except masks.TemplateError as e:
             skipped["template_error"] += 1
             first_template_error = first_template_error or f"{rid}: {e}"
@@ -107,6 +113,13 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
         raise cli.UsageError(f"--model-path {args.model_path}: its chat template fails on every conversation "
                              f"(first: {first_template_error}); fix the template (tokenizer_config.json or "
                              f"chat_template.jinja)")
+    if calling and skipped["tool_calls_not_rendered"] == calling:
+        raise cli.UsageError(f"--model-path {args.model_path}: its chat template renders no tool call ({calling:,} of "
+                             f"the records call tools; first: {first_dropped}); leave records with tool calls out, or "
+                             f"give a template that renders them (docs/STAGES.md, stage 01)")
+    if first_dropped:
+        log.warning(f"the chat template drops a tool call of {skipped['tool_calls_not_rendered']:,} of {calling:,} "
+                    f"records that call tools, e.g. {first_dropped}: those records are left out")
     if first_template_error:
         log.warning(f"the chat template refused {skipped['template_error']} conversations, e.g. {first_template_error}")
     if counts["unaligned_turns"]:  # the template's doing, not the data's: say it whatever the share

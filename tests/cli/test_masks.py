@@ -292,8 +292,7 @@ def test_a_dropped_tool_call_is_refused_even_where_the_answer_names_the_tool(tok
             {"role": "assistant", "content": "I will ask get_weather.", "tool_calls": [
                 {"type": "function", "function": {"name": "get_weather", "arguments": {}}}]},
             {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]
-    with pytest.raises(masks.ToolCallsNotRendered, match=r"does not render tool calls: message 1's call to "
-                                                         r"'get_weather' is not in its render"):
+    with pytest.raises(masks.ToolCallsNotRendered, match=r"message 1's call to 'get_weather' is not in its render"):
         masks.tokenize_conversation(tokenizer, conv, 4096)
     # without the call, the same conversation trains as chat
     plain = [dict(conv[1], tool_calls=None) if i == 1 else m for i, m in enumerate(conv)]
@@ -322,3 +321,45 @@ def test_tool_calls_render_where_the_template_puts_them_with_tools_in_every_rend
     assert masked_spans(tok, ids, mask) == [
         "Ask me.<|im_end|>\n", "Looking." + call.format("a") + call.format("b") + "<|im_end|>\n",
         "a is A, b is B.<|im_end|>\n"]
+
+
+def test_deepseek_v3_calls_render_in_the_form_its_template_takes(tokenizer, caplog):
+    """DeepSeek-V3's template writes a call only for a turn whose text is null, and joins the arguments to strings:
+    vLLM's form (text "", arguments an object) fails on it or drops the call. The call is rendered with null text and
+    the arguments as the JSON text the model writes, and trained from the first token after the generation prompt;
+    a call with text beside it, which this template cannot write, is ToolCallsNotRendered (the record is left out)."""
+    tok = with_template(tokenizer, "deepseek-v3.jinja", [
+        "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+        "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
+        bos_token="<｜begin▁of▁sentence｜>", eos_token="<｜end▁of▁sentence｜>")
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    conv = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]
+    ids, mask, info = masks.tokenize_conversation(tok, conv, 4096)
+    assert info["unaligned"] == 0
+    assert masked_spans(tok, ids, mask) == [
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```'
+        '<｜tool▁call▁end｜>', "Sunny.<｜end▁of▁sentence｜>"]
+    assert "sunny" in tok.decode(ids) and not any("sunny" in s for s in masked_spans(tok, ids, mask))
+    with pytest.raises(masks.ToolCallsNotRendered, match="message 1's call to 'get_weather'"):
+        masks.tokenize_conversation(tok, [conv[0], dict(conv[1], content="Let me look."), *conv[2:]], 4096)
+    # stage 01: a record whose call the template drops is left out and counted, with one warning naming it; a
+    # template that renders no record's call refuses the run
+    import argparse
+    import collections
+    import logging
+    from eagle3pipe import preparation
+    from eagle3pipe.errors import UsageError
+    args = argparse.Namespace(max_seq_len=4096, model_path="m", dataset="d")
+    text_and_call = [conv[0], dict(conv[1], content="Let me look."), *conv[2:]]
+    skipped, log = collections.Counter(), logging.getLogger("stage01-test")
+    with caplog.at_level(logging.WARNING, logger="stage01-test"):
+        rows, _, _ = preparation.tokenize_rows([("r1", conv, None), ("r2", text_and_call, None)], tok, args,
+                                               len(tok), skipped, 2, log)
+    assert [r["id"] for r in rows] == ["r1"] and skipped == {"tool_calls_not_rendered": 1}
+    assert caplog.messages == ["the chat template drops a tool call of 1 of 2 records that call tools, e.g. record r2: "
+                      "message 1's call to 'get_weather' is not in its render: those records are left out"]
+    with pytest.raises(UsageError, match=r"--model-path m: its chat template renders no tool call \(1 of the records "
+                                         r"call tools; first: record r2: message 1's call"):
+        preparation.tokenize_rows([("r2", text_and_call, None)], tok, args, len(tok), collections.Counter(), 1, log)

@@ -273,8 +273,8 @@ def test_tool_use_trains_the_call_inside_its_turn_and_a_template_that_drops_call
     """Tool-use records were refused whatever the verifier. With a template that renders tool use (Qwen2.5's), the
     call is trained as the rest of its answer (its arguments written as the object vLLM hands the template, not as
     quoted text), and the tool definitions and results are context. A template that drops calls (the embedded
-    SmolLM2's) would teach the draft to end the turn where the verifier calls: refused, naming the record, before
-    the folder is taken."""
+    SmolLM2's) would teach the draft to end the turn where the verifier calls: when it renders no call of any record,
+    the run is refused naming the first, before the folder is taken."""
     import shutil
     from conftest import FIXTURES
     model = tmp_path / "model"
@@ -309,7 +309,7 @@ def test_tool_use_trains_the_call_inside_its_turn_and_a_template_that_drops_call
                       "--output-dir", str(tmp_path / "out2"))
     lines = [line for line in p.stderr.strip().splitlines() if line.startswith("error:")]
     assert p.returncode == 2 and lines == [
-        f"error: record t1: the chat template of {model_path} does not render tool calls: message 1's call to "
-        f"'get_weather' is not in its render; leave records with tool calls out, or give a template that renders "
-        f"them"], p.stderr[-2000:]
+        f"error: --model-path {model_path}: its chat template renders no tool call (1 of the records call tools; "
+        f"first: record t1: message 1's call to 'get_weather' is not in its render); leave records with tool calls "
+        f"out, or give a template that renders them (docs/STAGES.md, stage 01)"], p.stderr[-2000:]
     assert "Traceback" not in p.stderr and not (tmp_path / "out2").exists()
