@@ -45,7 +45,8 @@ def _content(value, where, j):
 
 def _json_object(value, where, what, text=True):
     """A JSON object given as one (a dict) or, with `text`, as its JSON text (OpenAI's wire format) -> dict; '' and
-    null -> {}."""
+    null -> {}. An object given as one loses its null keys (_without_nulls); one given as text keeps them."""
+    given = value
     if isinstance(value, str) and text:
         if not value.strip():
             return {}
@@ -61,8 +62,21 @@ def _json_object(value, where, what, text=True):
         raise UsageError(f"{where}: {what} must be a JSON object, got {type(value).__name__}")
     try:  # a lone surrogate inside, as in any text of the record
         _text(json.dumps(value, ensure_ascii=False), where, what)
+    except RecursionError:
+        raise UsageError(f"{where}: {what} are nested too deep")
     except (TypeError, ValueError) as e:  # a parquet timestamp, bytes, NaN...
         raise UsageError(f"{where}: {what} cannot be written as JSON ({first_words(e)})")
+    return value if isinstance(given, str) else _without_nulls(value)
+
+
+def _without_nulls(value):
+    """An object with its null keys left out, at every depth: Arrow (parquet, hub datasets) gives each object of a
+    column every key any of them has, the others null, and a template would write `"query": null` into a call that
+    never had it. A null key is an absent one, as everywhere in a record; arguments given as JSON text keep theirs."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
     return value
 
 
@@ -72,11 +86,14 @@ def _tool_calls(turn, where, j):
     Arguments given as JSON text are parsed into their object, as vLLM parses them: a template writes them with
     `tojson`, and text would come out as one quoted string the verifier never writes. OpenAI's older
     `function_call` ({name, arguments}) is one such call."""
-    calls = turn.get("tool_calls")
-    if not calls and isinstance(turn.get("function_call"), dict):
-        calls = [{"type": "function", "function": turn["function_call"]}]
+    calls, legacy = turn.get("tool_calls"), turn.get("function_call")
+    if not calls and isinstance(legacy, dict) and legacy:
+        calls = [{"type": "function", "function": legacy}]
     elif not calls:
-        if turn.get("function_call") or (calls is not None and calls != []):
+        if legacy and not isinstance(legacy, dict):
+            raise UsageError(f"{where}: message {j} 'function_call' must be a call ({{\"name\", \"arguments\"}}), "
+                             f"got {type(legacy).__name__}")
+        if calls is not None and calls != []:
             raise UsageError(f"{where}: message {j} 'tool_calls' must be a list of calls")
         return None
     if not isinstance(calls, list):
@@ -91,7 +108,7 @@ def _tool_calls(turn, where, j):
         name = fn.get("name")
         if not isinstance(name, str) or not name.strip():
             raise UsageError(f"{where}: {what} has no function name")
-        args = _json_object(fn.get("arguments"), where, f"{what} ({name}) arguments")
+        args = _json_object(fn.get("arguments"), where, f"{what} ({name[:80]!r}) arguments")
         made = {"type": "function", "function": {"name": _text(name, where, f"{what} name"), "arguments": args}}
         if isinstance(call.get("id"), str):
             made["id"] = _text(call["id"], where, f"{what} id")
@@ -117,7 +134,9 @@ def record_tools(where, record):
         return None
     if not isinstance(tools, list):
         raise UsageError(f"{where}: 'tools' must be a list of tool definitions, got {type(tools).__name__}")
-    return [_json_object(t, where, f"'tools' entry {k}", text=False) for k, t in enumerate(tools)]
+    # a null entry is an absent one (Arrow writes one for a shorter list); {} would be written as a tool
+    tools = [_json_object(t, where, f"'tools' entry {k}", text=False) for k, t in enumerate(tools) if t is not None]
+    return tools or None
 
 
 def uses_tools(messages, tools):

@@ -64,14 +64,17 @@ def test_a_null_field_is_an_absent_one_and_reasoning_is_kept():
      r"message 1 tool call 0 has no function name"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Let me look.", "tool_calls": [
         {"function": {"name": "f", "arguments": '{"city": "Par'}}]}]},
-     r"message 1 tool call 0 \(f\) arguments are not valid JSON \(Unterminated string"),
+     r"message 1 tool call 0 \('f'\) arguments are not valid JSON \(Unterminated string"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "f", "arguments": "[1, 2]"}}]}]},
-     r"message 1 tool call 0 \(f\) arguments must be a JSON object, got list"),
+     r"message 1 tool call 0 \('f'\) arguments must be a JSON object, got list"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": "f()"}]},
      r"message 1 'tool_calls' must be a list"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "function_call": "f()"}]},
-     r"message 1 'tool_calls' must be a list of calls"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "function_call": "auto"}]},
+     r"message 1 'function_call' must be a call \(\{\"name\", \"arguments\"\}\), got str"),
+    # a name is quoted in the line: a newline in it does not break the line in two
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get\nweather", "arguments": "{bad"}}]}]}, r"\('get\\nweather'\) arguments are not"),
     ({"conversations": "hello"}, "must be a list"),
     ({"conversations": [{"from": "human", "value": 3}]}, "content must be a string"),
     ({"text": "hi"}, "no 'conversations'"),
@@ -108,6 +111,7 @@ def test_tool_use_is_kept_as_chat_templates_read_it():
     assert chat.record_tools("r", rec) == [{"type": "function", "function": {"name": "get_weather"}}]
     assert chat.uses_tools(msgs, None) and chat.uses_tools([], [{"x": 1}]) and not chat.uses_tools(msgs[:1], [])
     assert chat.record_tools("r", {"messages": [], "tools": None}) is None  # Arrow's null column
+    assert chat.record_tools("r", {"messages": [], "tools": [None]}) is None  # and its null entry
     for tools, match in (('[{"name": ', r"'tools' are not valid JSON"), ({"name": "f"}, r"'tools' must be a list"),
                          (["f"], r"'tools' entry 0 must be a JSON object, got str")):
         with pytest.raises(UsageError, match=match):
@@ -229,3 +233,25 @@ def test_regenerate_refuses_tool_use_naming_the_record_and_a_call_alone_is_an_an
         records, n, skipped, _ = preparation.read_conversations(args, logging.getLogger("t"))
         assert n == 2 and len(records) == 2 and not skipped
         assert records[1][2] == (offer["tools"] if rec is offer else None)
+
+
+def test_arrow_merged_keys_are_not_written_into_calls(tmp_path):
+    """A parquet file gives each call's arguments (and each tool definition) every key any record's has, the others
+    null: a call to search({"query": "x"}) beside one to get_weather({"city": "Paris"}) came out as
+    {"city": null, "query": "x"}, a call the verifier never wrote. A null key is an absent one."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def rec(name, args):
+        return {"tools": [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}],
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": name, "arguments": args}}]}]}
+    pq.write_table(pa.Table.from_pylist([rec("get_weather", {"city": "Paris"}), rec("search", {"query": "x"})]),
+                   tmp_path / "d.parquet")
+    got = [(chat.normalize(w, r)[1][1]["tool_calls"][0]["function"]["arguments"], chat.record_tools(w, r))
+           for w, r in conv.iter_records(str(tmp_path / "d.parquet"))]
+    assert [g[0] for g in got] == [{"city": "Paris"}, {"query": "x"}]
+    assert got[1][1] == [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+    # arguments given as JSON text are the model's own: their nulls stay
+    _, msgs = chat.normalize("r", rec("f", '{"limit": null}'))
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"limit": None}
