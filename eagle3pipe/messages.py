@@ -43,19 +43,24 @@ def _content(value, where, j):
     raise UsageError(f"{where}: message {j} content must be a string, got {type(value).__name__}")
 
 
+def _parsed(text, where, what):
+    """JSON text -> its value ('' and blanks -> None), or one line naming what failed to parse."""
+    if not text.strip():
+        return None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise UsageError(f"{where}: {what} are nested too deep")
+    except ValueError as e:
+        raise UsageError(f"{where}: {what} are not valid JSON ({first_words(e)})")
+
+
 def _json_object(value, where, what, text=True):
     """A JSON object given as one (a dict) or, with `text`, as its JSON text (OpenAI's wire format) -> dict; '' and
     null -> {}. An object given as one loses its null keys (_without_nulls); one given as text keeps them."""
     given = value
     if isinstance(value, str) and text:
-        if not value.strip():
-            return {}
-        try:
-            value = json.loads(value)
-        except RecursionError:
-            raise UsageError(f"{where}: {what} are nested too deep")
-        except ValueError as e:
-            raise UsageError(f"{where}: {what} are not valid JSON ({first_words(e)})")
+        value = _parsed(value, where, what)
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -122,14 +127,7 @@ def record_tools(where, record):
     draft reads but is never trained to write. None where the record has none."""
     tools = record.get("tools") if isinstance(record, dict) else None
     if isinstance(tools, str):
-        if not tools.strip():
-            return None
-        try:
-            tools = json.loads(tools)
-        except RecursionError:
-            raise UsageError(f"{where}: 'tools' are nested too deep")
-        except ValueError as e:
-            raise UsageError(f"{where}: 'tools' are not valid JSON ({first_words(e)})")
+        tools = _parsed(tools, where, "'tools'")
     if not tools:
         return None
     if not isinstance(tools, list):
