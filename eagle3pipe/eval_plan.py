@@ -51,9 +51,9 @@ def plan(args):
     outdir.check("--output-dir", args.output_dir, "evaluate", inputs)
     skip, unknown = heldout.held_out_skip(args.prompts, args.prepared_data, drafts)  # never on training data
     train_metrics, cut = evaluation.read_train_metrics(drafts[0][1])
-    wheres, seen = [], {}
+    wheres, seen, tools = [], {}, []
     prepared = args.prepared_data if os.path.isdir(args.prepared_data) else heldout.recorded_prepared(drafts)
-    prompts = heldout.select_prompts(args, skip, wheres, heldout.trained_ids(prepared), seen)
+    prompts = heldout.select_prompts(args, skip, wheres, heldout.trained_ids(prepared), seen, tools)
     # the one check that needs the tokenizer (transformers), after every cheap one and before the folder is taken
     from .masks import PromptTooLong, load_tokenizer, prompt_ids
     tok = load_tokenizer(args.model_path, args.trust_remote_code)
@@ -61,7 +61,7 @@ def plan(args):
     at_most = maxpos if isinstance(maxpos, int) and maxpos > 0 else None
     for i, p in enumerate(prompts):  # each render within the template's time budget
         try:
-            ids.append(prompt_ids(tok, p, at_most))
+            ids.append(prompt_ids(tok, p, at_most, tools[i]))
         except PromptTooLong as e:  # refused by its length alone, before minutes of tokenizing
             raise cli.UsageError(f"--prompts {wheres[i]}: a prompt of {e}; the verifier's {maxpos} positions leave "
                                  f"no room for an answer: give prompts without it")

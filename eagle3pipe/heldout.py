@@ -123,13 +123,14 @@ def trained_ids(prepared):
     return found
 
 
-def select_prompts(args, skip, wheres=None, trained=frozenset(), seen=None):
+def select_prompts(args, skip, wheres=None, trained=frozenset(), seen=None, tools=None):
     """First user turn (with any system turn before it) of conversations from --prompts, after `skip` records
     (the range stage 01 trained on, for the default ShareGPT source). `wheres`: a list that gets each prompt's
-    record ("file:line"). `trained`: record ids stage 01 trained on; a record carrying one (a copy of its data
+    record ("file:line"); `tools`: one that gets each prompt's tool definitions (None where it has none), which the
+    template writes into the prompt as it does in training. `trained`: record ids stage 01 trained on; a record carrying one (a copy of its data
     under another path) is skipped and counted in `seen["trained"]`."""
     from .conversations import iter_records
-    from .messages import normalize
+    from .messages import normalize, record_tools
     prompts, n = [], 0
     for where, rec in iter_records(args.prompts, flag="--prompts"):
         n += 1
@@ -146,6 +147,8 @@ def select_prompts(args, skip, wheres=None, trained=frozenset(), seen=None):
             prompts.append(head)
             if wheres is not None:
                 wheres.append(where)
+            if tools is not None:
+                tools.append(record_tools(where, rec))
         if len(prompts) >= args.num_prompts:
             break
     if not prompts:

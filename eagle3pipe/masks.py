@@ -119,13 +119,14 @@ def longest_token(tok):
     return _longest_token[tok]
 
 
-def prompt_ids(tok, messages, at_most=None):
+def prompt_ids(tok, messages, at_most=None, tools=None):
     """The token ids of `messages` rendered with the generation prompt (what the verifier answers), tokenized as
     apply_chat_template tokenizes (no special tokens added). The render runs within the template's time budget, the
     tokenizing after it: a long prompt's tokenizing is not the template's fault. `at_most`: a render longer than
     `at_most` tokens could be, by its characters alone (each token stands for at most longest_token characters;
-    twice that, for a normalizer's sake), raises PromptTooLong without tokenizing: a 49 MB prompt took two minutes."""
-    text = _budgeted(tok, tok.apply_chat_template, messages, add_generation_prompt=True, tokenize=False)
+    twice that, for a normalizer's sake), raises PromptTooLong without tokenizing: a 49 MB prompt took two minutes.
+    `tools`: the record's tool definitions, which the template writes into the prompt."""
+    text = _budgeted(tok, tok.apply_chat_template, messages, tools=tools, add_generation_prompt=True, tokenize=False)
     if at_most is not None and len(text) > 2 * at_most * longest_token(tok):
         raise PromptTooLong(len(text) // (2 * longest_token(tok)), len(text))
     return tok(text, add_special_tokens=False)["input_ids"]

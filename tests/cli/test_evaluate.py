@@ -217,6 +217,13 @@ def test_a_prompt_is_the_first_user_turn_after_any_system_turn(tmp_path):
                                              {"role": "function", "content": "sunny"}]}) + "\n")
     assert heldout.select_prompts(argparse.Namespace(prompts=str(data), num_prompts=5), 0) == [
         [{"role": "user", "content": "Weather in Paris?"}]]
+    # a record that offers tools: its prompt carries them, as its training rows did (the template writes them)
+    weather = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    data.write_text(json.dumps({"tools": weather, "messages": [{"role": "user", "content": "Weather in Paris?"}]})
+                    + "\n" + json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    tools = []
+    assert len(heldout.select_prompts(argparse.Namespace(prompts=str(data), num_prompts=5), 0, tools=tools)) == 2
+    assert tools == [weather, None]
 
 
 def test_a_copy_of_the_training_records_under_another_path_is_not_taken_as_held_out(stages, trained, model_path,

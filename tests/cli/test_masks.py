@@ -317,6 +317,10 @@ def test_tool_calls_render_where_the_template_puts_them_with_tools_in_every_rend
     ids, mask, info = masks.tokenize_conversation(tok, conv, 4096, tools)
     assert info == {"unaligned": 0, "truncated": False}
     assert tok.decode(ids) == tok.apply_chat_template(conv, tools=tools, tokenize=False)
+    # stage 05's prompt of such a record: the tools written into it, the answer's header last
+    prompt = tok.decode(masks.prompt_ids(tok, conv[1:2], tools=tools))
+    assert '<tools>\n{"type": "function", "function": {"name": "lookup"' in prompt
+    assert prompt.endswith("<|im_start|>user\nFind a and b.<|im_end|>\n<|im_start|>assistant\n")
     call = '\n<tool_call>\n{{"name": "lookup", "arguments": {{"q": "{}"}}}}\n</tool_call>'
     assert masked_spans(tok, ids, mask) == [
         "Ask me.<|im_end|>\n", "Looking." + call.format("a") + call.format("b") + "<|im_end|>\n",
