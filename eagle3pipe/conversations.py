@@ -7,8 +7,8 @@ hub dataset id (through `datasets`).
 
 A record that does not read (bad JSON, JSON nested too deep, text that is not UTF-8) is a UsageError naming the
 file and line/record; what a record holds is messages.py's to check. Empty conversations and ones without an
-assistant turn are skipped and counted by the caller. A dataset folder holds only data files and folders of them (hidden entries
-aside): anything else is refused by check_dataset, before the tokenizer loads.
+assistant turn are skipped and counted by the caller. A dataset folder holds only data files and folders of them
+(hidden entries aside): anything else is refused by check_dataset, before the tokenizer loads.
 """
 import glob
 import json

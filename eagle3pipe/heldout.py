@@ -127,8 +127,8 @@ def select_prompts(args, skip, wheres=None, trained=frozenset(), seen=None, tool
     """First user turn (with any system turn before it) of conversations from --prompts, after `skip` records
     (the range stage 01 trained on, for the default ShareGPT source). `wheres`: a list that gets each prompt's
     record ("file:line"); `tools`: one that gets each prompt's tool definitions (None where it has none), which the
-    template writes into the prompt as it does in training. `trained`: record ids stage 01 trained on; a record carrying one (a copy of its data
-    under another path) is skipped and counted in `seen["trained"]`."""
+    template writes into the prompt as it does in training. `trained`: record ids stage 01 trained on; a record
+    carrying one (a copy of its data under another path) is skipped and counted in `seen["trained"]`."""
     from .conversations import iter_records
     from .messages import normalize, record_tools
     prompts, n = [], 0

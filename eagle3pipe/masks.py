@@ -271,19 +271,18 @@ def _call_forms(messages):
 
 
 def for_template(tok, messages, tools=None):
-    """`messages` in the first form (_call_forms) the template renders whole with its first tool call in it; as
-    given where it calls no tool, or where no form does (the caller's checks then say why)."""
+    """(`messages` in the first form (_call_forms) the template renders whole with its first tool call in it, that
+    render). As given where it calls no tool, or where no form does (the caller's checks then say why)."""
     first = next((i for i, m in enumerate(messages) if m.get("tool_calls")), None)
-    if first is None:
-        return messages
-    for form in _call_forms(messages):
-        try:
-            render(tok, form, False, tools)
-            _check_calls_rendered(tok, form, first, tools)
-        except TemplateError:  # ToolCallsNotRendered included
-            continue
-        return form
-    return messages
+    if first is not None:
+        for form in _call_forms(messages):
+            try:
+                full = render(tok, form, False, tools)
+                _check_calls_rendered(tok, form, first, tools)
+            except TemplateError:  # ToolCallsNotRendered included
+                continue
+            return form, full
+    return messages, render(tok, messages, False, tools)
 
 
 def assistant_spans(tok, messages, full=None, limit=None, tools=None):
@@ -291,8 +290,7 @@ def assistant_spans(tok, messages, full=None, limit=None, tools=None):
     the character where the row is cut (--max-seq-len): turns after it are not looked for. `tools`: the record's
     tool definitions, given to every render. A tool call the template does not render raises ToolCallsNotRendered."""
     if full is None:
-        messages = for_template(tok, messages, tools)
-        full = render(tok, messages, False, tools)
+        messages, full = for_template(tok, messages, tools)
     spans, unaligned, pos = [], 0, 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -333,8 +331,7 @@ def tokenize_conversation(tok, messages, max_seq_len, tools=None):
     it lies wholly inside an answer's span (one that straddles a boundary is context). Segment by segment would give
     each segment a tokenizer's start-of-text treatment: SentencePiece-style tokenizers (Llama-2, Mistral) prepend a
     space to each, tokens the verifier never generates. A tokenizer without offsets is tokenized by segment."""
-    messages = for_template(tok, messages, tools)
-    full = render(tok, messages, False, tools)
+    messages, full = for_template(tok, messages, tools)
     # a render far longer than max_seq_len tokens could cover is tokenized only that far (a 49 MB record took 144 s
     # whole): the cut lies at least max_seq_len + 1 tokens past the last token kept, where it changes none of them
     cap = 2 * (max_seq_len + 1) * longest_token(tok)
