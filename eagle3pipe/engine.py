@@ -321,11 +321,3 @@ def get_json(url, timeout):
     except http.client.HTTPException as e:
         raise ValueError(f"not an HTTP answer: {type(e).__name__}")
 
-
-def parent_death_signal(sig):
-    """Linux: this process gets `sig` when its parent dies, even by SIGKILL."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass

@@ -9,12 +9,15 @@ variable. Nothing here does anything unless a variable is set.
                                        checkpoint half written in .saving/), publish (the previous checkpoint
                                        deleted, the new one not yet renamed into place), worker-probe (the
                                        probe worker stage 04 forks from its loader server, warm_start.py);
+                                       stage 01: tokenize (the stage, at each conversation's outcome, its
+                                       workers busy), tokenize-worker (a --num-workers process, at a chunk);
                                        any stage: installed (a finished file renamed into place, its new name
                                        not yet recorded), renamed (a folder renamed into place, its old names
                                        not yet forgotten)
     EAGLE3_INJECT_SIGNAL=POINT:SIG[:N] send SIG (TERM, INT) to this process the Nth time it reaches POINT: read
                                        (stage 04, inside a training sample's read), measure (inside the epoch's
-                                       acceptance measure): a stop that lands where a broad `except` stands
+                                       acceptance measure): a stop that lands where a broad `except` stands;
+                                       tokenize (stage 01, its --num-workers busy)
     EAGLE3_INJECT_OOM_ABOVE_TOKENS=N   raise torch's OutOfMemoryError for any stage 02 forward over N tokens
     EAGLE3_INJECT_OOM_AT_BATCH=N[:cpu] raise it at the Nth training batch of each stage 04 epoch, worded as CUDA
                                        words it (the words of a run that met three others on its card); with

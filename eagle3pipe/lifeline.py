@@ -69,6 +69,19 @@ def start():
     _started[pid] = (child, w)
 
 
+def parent_death_signal(sig, parent=None):
+    """Linux: this process gets `sig` when its parent dies, even by SIGKILL; `parent`: the pid that started it, gone
+    already: `sig` now. For a process forked (not exec'd) by a stage's main thread, which the watchdog alone can
+    miss: its /proc environment lacks the token, so one forked and orphaned between two scans is never found."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if parent is not None and os.getppid() != parent:  # died before the signal was set
+        os.kill(os.getpid(), sig)
+
+
 def watchdogs():
     """The pids of the watchdogs this process started (they are its children, not an engine's processes)."""
     return [child.pid for child, _ in _started.values()]

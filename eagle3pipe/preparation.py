@@ -1,13 +1,14 @@
 """Stage 01's steps: the selected records read and checked, each conversation through the chat template into rows
 with assistant-only loss masks, and the folder's files written (tokenized_data.jsonl, token_freq.npy, manifest)."""
 import collections
+import contextlib
 import hashlib
 import itertools
 import json
 import os
 import random
 
-from . import cli, conversations, files, messages as chat, outdir, regenerate, verifier
+from . import cli, conversations, faults, files, messages as chat, outdir, regenerate, verifier
 
 
 def check(args):
@@ -20,6 +21,10 @@ def check(args):
     if args.regenerate:
         regenerate.check(args, text_cfg)
     conversations.check_dataset(args.dataset)
+    cores = len(os.sched_getaffinity(0))
+    if args.num_workers is not None and args.num_workers > 2 * cores:  # a typo, or another machine's value
+        raise cli.UsageError(f"--num-workers {args.num_workers}: more than twice the {cores} CPU cores this process "
+                             f"may use; each worker renders and tokenizes on one core")
     inputs = [("--model-path", args.model_path), ("--dataset", args.dataset)]
     outdir.check("--output-dir", args.output_dir, "prepare", inputs)
     return fp, inputs
@@ -73,41 +78,47 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
     per token id, counts); what cannot train is counted in `skipped`. A template that fails on every conversation is
     the verifier's problem, not the data's, and is refused naming it."""
     import numpy as np
-    from . import masks
+    from . import tokenize_workers
     from .progress import Progress
     counts = collections.Counter()
     freq = np.zeros(vocab, dtype=np.int64)
     rows, first_template_error, turns = [], None, 0
     calling, first_dropped = 0, None  # records with a tool call; the first whose call the template drops
+    workers = tokenize_workers.count(args.num_workers, len(records), args.regenerate)
+    if workers > 1:
+        log.info(f"rendering and tokenizing in {workers} worker processes (--num-workers)")
     bar = Progress(len(records), "prepare", "conversations")
-    for rid, messages, tools in records:
-        bar.update(1)
-        calling += any(m.get("tool_calls") for m in messages)
-        try:
-            ids, mask, meta = masks.tokenize_conversation(tok, messages, args.max_seq_len, tools)
-        except masks.TemplateTooSlow as e:  # a loop in the template: no record is worth the wait
-            raise cli.UsageError(f"record {rid}: {e}")
-        except masks.ToolCallsNotRendered as e:  # trained, the answer would end where the verifier calls
-            skipped["tool_calls_not_rendered"] += 1
-            first_dropped = first_dropped or f"record {rid}: {e}"
-            continue
-        except masks.TemplateError as e:
-            skipped["template_error"] += 1
-            first_template_error = first_template_error or f"{rid}: {e}"
-            continue
-        counts["unaligned_turns"] += meta["unaligned"]
-        counts["truncated"] += meta["truncated"]
-        turns += sum(m["role"] == "assistant" for m in messages)
-        if not any(mask):
-            skipped["nothing_trainable_after_truncation" if meta["truncated"] else
-                    "unaligned" if meta["unaligned"] else "nothing_trainable"] += 1
-            continue
-        if max(ids) >= vocab:
-            raise cli.UsageError(f"record {rid}: token id {max(ids)} >= the verifier's vocab size {vocab}; "
-                                 f"the tokenizer does not match config.json")
-        freq += np.bincount(np.asarray(ids)[np.asarray(mask, dtype=bool)], minlength=vocab)
-        bar.tokens += len(ids)
-        rows.append({"id": rid, "input_ids": ids, "loss_mask": mask})
+    results = tokenize_workers.outcomes(records, tok, args.max_seq_len, workers)  # in the records' order
+    with contextlib.closing(results):  # a refusal below ends the workers too
+        for (rid, messages, tools), (kind, *result) in zip(records, results):
+            bar.update(1)
+            faults.kill_point("tokenize")  # the stage itself, its workers busy (tests/reliability)
+            faults.signal_point("tokenize")
+            calling += any(m.get("tool_calls") for m in messages)
+            if kind == "slow":  # a loop in the template: no record is worth the wait
+                raise cli.UsageError(f"record {rid}: {result[0]}")
+            if kind == "dropped":  # trained, the answer would end where the verifier calls
+                skipped["tool_calls_not_rendered"] += 1
+                first_dropped = first_dropped or f"record {rid}: {result[0]}"
+                continue
+            if kind == "error":
+                skipped["template_error"] += 1
+                first_template_error = first_template_error or f"{rid}: {result[0]}"
+                continue
+            ids, mask, meta = result
+            counts["unaligned_turns"] += meta["unaligned"]
+            counts["truncated"] += meta["truncated"]
+            turns += sum(m["role"] == "assistant" for m in messages)
+            if not any(mask):
+                skipped["nothing_trainable_after_truncation" if meta["truncated"] else
+                        "unaligned" if meta["unaligned"] else "nothing_trainable"] += 1
+                continue
+            if max(ids) >= vocab:
+                raise cli.UsageError(f"record {rid}: token id {max(ids)} >= the verifier's vocab size {vocab}; "
+                                     f"the tokenizer does not match config.json")
+            freq += np.bincount(np.asarray(ids)[np.asarray(mask, dtype=bool)], minlength=vocab)
+            bar.tokens += len(ids)
+            rows.append({"id": rid, "input_ids": ids, "loss_mask": mask})
     bar.close()
     if records and skipped["template_error"] == len(records):
         raise cli.UsageError(f"--model-path {args.model_path}: its chat template fails on every conversation "

@@ -11,7 +11,7 @@ import time
 
 from . import locks, outdir
 from .files import SKIPPED
-from .engine import parent_death_signal
+from .lifeline import parent_death_signal
 from .spool import clear_spool, wait_for_engine_file
 from .spool import remove_spool_file
 from .errors import RunError

@@ -355,7 +355,7 @@ def test_deepseek_v3_calls_render_in_the_form_its_template_takes(tokenizer, capl
     import logging
     from eagle3pipe import preparation
     from eagle3pipe.errors import UsageError
-    args = argparse.Namespace(max_seq_len=4096, model_path="m", dataset="d")
+    args = argparse.Namespace(max_seq_len=4096, model_path="m", dataset="d", num_workers=None, regenerate=False)
     text_and_call = [conv[0], dict(conv[1], content="Let me look."), *conv[2:]]
     skipped, log = collections.Counter(), logging.getLogger("stage01-test")
     with caplog.at_level(logging.WARNING, logger="stage01-test"):

@@ -44,11 +44,16 @@ def test_prepare_outputs_agree(prepared, tokenizer):
 
 
 def test_prepare_is_deterministic_and_replaces_its_own_output(prepared, model_path, tmp_path):
+    """The same rows again, byte for byte, from worker processes (--num-workers 2, in chunks of 5 conversations
+    whose results arrive out of order) as from one."""
     before = (prepared / "tokenized_data.jsonl").read_bytes()
+    content_id = json.load(open(prepared / "manifest.json"))["content_id"]
     p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "40",
-                      "--max-seq-len", "512", "--output-dir", str(prepared))
+                      "--max-seq-len", "512", "--num-workers", "2", "--output-dir", str(prepared))
     assert p.returncode == 0, p.stderr
+    assert "in 2 worker processes" in p.stderr
     assert (prepared / "tokenized_data.jsonl").read_bytes() == before
+    assert json.load(open(prepared / "manifest.json"))["content_id"] == content_id
     # replaced file by file in place: no temporary file left, nothing made beside the folder
     assert not [n for n in os.listdir(prepared) if ".tmp-" in n] and os.listdir(prepared.parent) == ["prepared"]
 
@@ -130,6 +135,9 @@ def test_prepare_refuses_bad_flags_and_paths(tmp_path, model_path):
         (["--model-path", model_path, "--max-seq-len", "100000000000"],
          ["--max-seq-len 100000000000: rows this long", "past the 8,192 positions the verifier handles"]),
         (["--model-path", model_path, "--num-smaples", "3"], ["did you mean --num-samples"]),
+        (["--model-path", model_path, "--num-workers", "0"], ["--num-workers 0"]),
+        (["--model-path", model_path, "--num-workers", str(2 * len(os.sched_getaffinity(0)) + 1)],
+         ["more than twice the", "CPU cores this process may use"]),
         (["--dataset", "sharegpt"], ["missing --model-path"]),
         (["--model-path", model_path, "--output-dir", str(tmp_path)], ["holds 'keep.txt'", "did not make"]),
     ]
@@ -305,8 +313,8 @@ def test_tool_use_trains_the_call_inside_its_turn_and_a_template_that_drops_call
     text = tokenizer.decode(row["input_ids"])
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text  # the tools: context
     assert "<tool_response>\nsunny\n</tool_response>" in text  # the result: context
-    p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--dataset", data,
-                      "--output-dir", str(tmp_path / "out2"))
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", model_path, "--dataset", data, "--num-workers", "2",
+                      "--output-dir", str(tmp_path / "out2"))  # the first record named as one process names it
     lines = [line for line in p.stderr.strip().splitlines() if line.startswith("error:")]
     assert p.returncode == 2 and lines == [
         f"error: --model-path {model_path}: its chat template renders no tool call (1 of the records call tools; "
