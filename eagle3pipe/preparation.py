@@ -8,7 +8,7 @@ import json
 import os
 import random
 
-from . import cli, conversations, faults, files, messages as chat, outdir, regenerate, verifier
+from . import cli, conversations, faults, files, messages as chat, outdir, regenerate, tokenize_workers, verifier
 
 
 def check(args):
@@ -21,7 +21,7 @@ def check(args):
     if args.regenerate:
         regenerate.check(args, text_cfg)
     conversations.check_dataset(args.dataset)
-    cores = len(os.sched_getaffinity(0))
+    cores = tokenize_workers.cores()
     if args.num_workers is not None and args.num_workers > 2 * cores:  # a typo, or another machine's value
         raise cli.UsageError(f"--num-workers {args.num_workers}: more than twice the {cores} CPU cores this process "
                              f"may use; each worker renders and tokenizes on one core")
@@ -78,7 +78,6 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
     per token id, counts); what cannot train is counted in `skipped`. A template that fails on every conversation is
     the verifier's problem, not the data's, and is refused naming it."""
     import numpy as np
-    from . import tokenize_workers
     from .progress import Progress
     counts = collections.Counter()
     freq = np.zeros(vocab, dtype=np.int64)
@@ -97,6 +96,9 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
             calling += any(m.get("tool_calls") for m in messages)
             if kind == "slow":  # a loop in the template: no record is worth the wait
                 raise cli.UsageError(f"record {rid}: {result[0]}")
+            if kind == "crash":  # a worker's unexpected failure (one process raises it where it happens)
+                raise cli.RunError(f"record {rid}: rendering or tokenizing it failed in a --num-workers process: "
+                                   f"{result[0]}")
             if kind == "dropped":  # trained, the answer would end where the verifier calls
                 skipped["tool_calls_not_rendered"] += 1
                 first_dropped = first_dropped or f"record {rid}: {result[0]}"

@@ -118,7 +118,7 @@ class Prepare(Record):
     max_seq_len: int = rule(ge=2)
     num_samples: Optional[int] = rule(ge=1)
     seed: int = rule(ge=0, le=2**32 - 1)
-    num_workers: Optional[int] = rule(ge=1)
+    num_workers: Optional[int] = rule(ge=0)  # 0 as 1 (this process): stage 04's key too, where 0 is meaningful
     trust_remote_code: bool = rule()
     regenerate: bool = rule()
     regen_temperature: float = rule(ge=0)

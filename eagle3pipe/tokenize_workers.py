@@ -9,13 +9,18 @@ the platform's way, one process does it all.
 
 - A worker that dies (the kernel's OOM killer, a signal) ends the stage with one line, not a wait on a result that
   will never come (concurrent.futures reports a dead worker; multiprocessing.Pool waits forever).
-- Workers take no stop signal of their own: Ctrl-C or SIGTERM stops the stage, whose exit ends them; a stage
-  that dies otherwise (SIGKILL included) takes them with it (a parent-death signal; the lifeline for the rest).
+- A conversation that stops the stage (a template past its time budget, an unexpected failure) ends its chunk there,
+  and a stage that stops early (a refusal, Ctrl-C, SIGTERM) kills its workers at once rather than let them finish
+  the chunks queued: they write nothing. A stage that dies otherwise (SIGKILL included) takes them with it (a
+  parent-death signal). Workers ignore Ctrl-C and SIGHUP, which are the stage's to act on (a stage under nohup
+  ignores SIGHUP, and so must they); the stop signals stay blocked from the fork until a worker has set that up.
 """
+import math
 import concurrent.futures
 import multiprocessing
 import os
 import signal
+import sys
 
 from . import faults, lifeline
 from .errors import RunError
@@ -23,6 +28,7 @@ from .errors import RunError
 AUTO_MIN_RECORDS = 1000  # below this one process is quicker than starting workers
 AUTO_MAX_WORKERS = 32
 CHUNK = 64               # conversations a task: enough to hide the round trip, few enough to keep the order moving
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 _shared = {}             # what a forked worker reads: the records, the tokenizer, --max-seq-len
 
@@ -43,24 +49,39 @@ def outcome(tok, messages, max_seq_len, tools):
     return ("ok", ids, mask, meta)
 
 
+def cores():
+    """The CPU cores this process may use: its affinity, within a cgroup's CPU quota (a container's) where set."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError, ZeroDivisionError):
+        pass
+    return n
+
+
 def count(requested, n_records, regenerate=False):
-    """The worker processes to use: `requested` (--num-workers) where given, else one for a small job (or after
-    --regenerate, whose engine shared this process) and up to AUTO_MAX_WORKERS of the cores this process may use;
-    one wherever fork is not available."""
-    if "fork" not in multiprocessing.get_all_start_methods():
+    """The worker processes to use: `requested` (--num-workers; 0 or 1: this process) where given, else one for a
+    small job (or after --regenerate, whose engine shared this process) and up to AUTO_MAX_WORKERS of the cores
+    this process may use; one off Linux (fork and the parent-death signal are Linux's)."""
+    if sys.platform != "linux":
         return 1
     if requested is not None:
         return max(1, min(requested, n_records))
     if regenerate or n_records < AUTO_MIN_RECORDS:
         return 1
-    return max(1, min(len(os.sched_getaffinity(0)), AUTO_MAX_WORKERS))
+    return max(1, min(cores(), AUTO_MAX_WORKERS))
 
 
 def _start_worker(stage):
-    # a stop signal is the stage's to handle (its handler, inherited across the fork, would raise in here)
+    # the stage acts on stop signals and ends its workers; SIGTERM stays deadly (concurrent.futures ends a broken
+    # pool's workers with it)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the stage across the fork
     lifeline.parent_death_signal(signal.SIGKILL, stage)  # forked: the environment's lifeline token is not ours
 
 
@@ -68,7 +89,15 @@ def _chunk(bounds):
     start, end = bounds
     faults.kill_point("tokenize-worker")
     tok, max_seq_len, records = _shared["tok"], _shared["max_seq_len"], _shared["records"]
-    return [outcome(tok, messages, max_seq_len, tools) for _, messages, tools in records[start:end]]
+    out = []
+    for _, messages, tools in records[start:end]:
+        try:
+            out.append(outcome(tok, messages, max_seq_len, tools))
+        except Exception as e:  # noqa: BLE001 - named by the stage at this record, where one process fails too
+            out.append(("crash", f"{type(e).__name__}: {e}"))
+        if out[-1][0] in ("slow", "crash"):
+            break  # the stage stops at this record: the rest of the chunk would only delay it
+    return out
 
 
 def outcomes(records, tok, max_seq_len, workers):
@@ -81,17 +110,33 @@ def outcomes(records, tok, max_seq_len, workers):
     _shared.update(tok=tok, max_seq_len=max_seq_len, records=records)
     # the tokenizer's own threads are unusable after a fork: say so once here, not as a warning from every worker
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                                  initializer=_start_worker, initargs=(os.getpid(),))
+    size = max(1, min(CHUNK, len(records) // (4 * workers)))  # a small job still spreads over every worker
+    bounds = [(i, min(i + size, len(records))) for i in range(0, len(records), size)]
+    before = set(multiprocessing.active_children())
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # until each worker has its own handling
     try:
-        size = max(1, min(CHUNK, len(records) // (4 * workers)))  # a small job still spreads over every worker
-        bounds = [(i, min(i + size, len(records))) for i in range(0, len(records), size)]
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                                      initializer=_start_worker, initargs=(os.getpid(),))
+        results = pool.map(_chunk, bounds)  # every chunk submitted: the workers are forked here
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    finished = False
+    try:
         try:
-            for results in pool.map(_chunk, bounds):
-                yield from results
+            for chunk in results:
+                yield from chunk
+            finished = True
         except concurrent.futures.process.BrokenProcessPool as e:
-            raise RunError(f"a tokenizing worker process died ({e}): killed, or out of memory? Nothing was "
+            raise RunError(f"a tokenizing worker process died ({e}): killed, or out of memory? No rows were "
                            f"written; rerun, with fewer --num-workers if memory is short") from None
     finally:
         _shared.clear()
-        pool.shutdown(wait=False, cancel_futures=True)
+        if finished:
+            pool.shutdown()  # idle workers, each gone at its stop marker
+        else:  # stopped early: the workers write nothing, so they end now rather than after the chunks queued
+            pool.shutdown(wait=False, cancel_futures=True)
+            procs = set(multiprocessing.active_children()) - before
+            for p in procs:
+                p.kill()
+            for p in procs:
+                p.join(10)

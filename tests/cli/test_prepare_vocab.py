@@ -135,7 +135,7 @@ def test_prepare_refuses_bad_flags_and_paths(tmp_path, model_path):
         (["--model-path", model_path, "--max-seq-len", "100000000000"],
          ["--max-seq-len 100000000000: rows this long", "past the 8,192 positions the verifier handles"]),
         (["--model-path", model_path, "--num-smaples", "3"], ["did you mean --num-samples"]),
-        (["--model-path", model_path, "--num-workers", "0"], ["--num-workers 0"]),
+        (["--model-path", model_path, "--num-workers", "-1"], ["--num-workers -1"]),
         (["--model-path", model_path, "--num-workers", str(2 * len(os.sched_getaffinity(0)) + 1)],
          ["more than twice the", "CPU cores this process may use"]),
         (["--dataset", "sharegpt"], ["missing --model-path"]),

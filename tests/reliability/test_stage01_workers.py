@@ -1,22 +1,33 @@
 """Stage 01's worker processes (--num-workers, eagle3pipe/tokenize_workers.py) end with the stage however either
 ends: a worker killed is one line and no folder, not a wait on results that never come; a stop signal or a SIGKILL
 of the stage leaves no worker behind. Real workers, faults injected (eagle3pipe/faults.py)."""
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
 
-from conftest import REPO, left_behind
+from conftest import REPO, left_behind, marked_processes
 
 
-def _stage01(model_path, out, fault):
+def _as_from_a_terminal():
+    # a process that inherits a signal ignored (a background job's INT, nohup's HUP) keeps it ignored, and these
+    # tests may themselves run as one
+    for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)
+
+
+def _stage01(model_path, out, fault, *argv):
     mark = uuid.uuid4().hex
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "EAGLE3_TEST_MARK": mark, "EAGLE3_LIFELINE_GRACE": "1", **fault}
     p = subprocess.run([sys.executable, "01_prepare_dataset.py", "--model-path", model_path, "--num-samples", "60",
-                        "--max-seq-len", "256", "--num-workers", "2", "--output-dir", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+                        "--max-seq-len", "256", "--num-workers", "2", "--output-dir", str(out), *argv],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, env=env, preexec_fn=_as_from_a_terminal)
     return p, mark
 
 
@@ -39,4 +50,49 @@ def test_a_stage_stopped_or_killed_while_its_workers_tokenize_leaves_none_behind
         lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and "stopped by a signal" in lines[0] and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+    assert left_behind(mark) == []
+
+
+def test_a_template_that_loops_on_a_later_record_is_refused_there_and_the_workers_end(model_path, tmp_path):
+    """A template that loops on some records: the refusal names the first of them, as one process names it, after
+    one time budget (a worker returns its chunk at that record), and the workers busy with the chunks queued behind
+    it end with the stage instead of finishing them (at a 10 s budget each, minutes)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in os.listdir(model_path):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_path, name), model / name)
+    (model / "chat_template.jinja").write_text(
+        "{% if 'LOOP' in messages[0]['content'] %}{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}"
+        "{% endfor %}{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{i}", "messages": [
+        {"role": "user", "content": f"{'LOOP' if i >= 7 else 'q'} {i}"}, {"role": "assistant", "content": "a"}]}) + "\n"
+        for i in range(120)))
+    p, mark = _stage01(str(model), tmp_path / "out", {"EAGLE3_TEMPLATE_TIMEOUT_S": "2"}, "--dataset", str(data))
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: record r7: ") \
+        and "did not finish one render within 2 s" in lines[0], p.stderr[-2000:]
+    assert not (tmp_path / "out").exists() and left_behind(mark) == []
+
+
+def test_a_hang_up_under_nohup_stops_neither_the_stage_nor_its_workers(model_path, tmp_path):
+    """`nohup` makes the stage ignore SIGHUP, so that closing the ssh session does not stop it; its workers must
+    ignore it too (the terminal's hang-up reaches the whole process group), else the stage ends as if a worker had
+    run out of memory."""
+    mark, out = uuid.uuid4().hex, tmp_path / "out"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "EAGLE3_TEST_MARK": mark}
+    proc = subprocess.Popen(["nohup", sys.executable, "01_prepare_dataset.py", "--model-path", model_path,
+                             "--num-samples", "1500", "--num-workers", "2", "--output-dir", str(out)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True, preexec_fn=_as_from_a_terminal)
+    deadline = time.time() + 120
+    while len([c for _, c in marked_processes(mark) if "01_prepare_dataset.py" in c]) < 3:  # the stage and 2 workers
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGHUP)  # the session's hang-up, to every process of the group
+    err = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 0, err[-2000:]
+    assert json.load(open(out / "manifest.json"))["counts"]["records_read"] == 1500
     assert left_behind(mark) == []

@@ -14,3 +14,5 @@ def test_the_worker_count_follows_the_flag_the_job_and_the_cores():
     assert tw.count(None, 100_000, regenerate=True) == 1
     assert tw.count(None, 100_000) == min(cores, tw.AUTO_MAX_WORKERS)
     assert tw.count(2, 100_000, regenerate=True) == 2  # asked for: given
+    assert tw.count(0, 100_000) == 1                   # a config's num_workers: 0, stage 04's CPU value too
+    assert 1 <= tw.cores() <= cores
