@@ -41,7 +41,8 @@ def test_a_worker_that_dies_ends_the_stage_in_one_line_with_nothing_written(mode
 
 
 @pytest.mark.parametrize("fault,code", [({"EAGLE3_INJECT_SIGNAL": "tokenize:TERM:10"}, 143),
-                                        ({"EAGLE3_INJECT_SIGNAL": "tokenize:INT:10"}, 130),
+                                        pytest.param({"EAGLE3_INJECT_SIGNAL": "tokenize:INT:10"}, 130,
+                                                     marks=pytest.mark.slow),
                                         ({"EAGLE3_INJECT_KILL": "tokenize:10"}, -9)])
 def test_a_stage_stopped_or_killed_while_its_workers_tokenize_leaves_none_behind(model_path, tmp_path, fault, code):
     p, mark = _stage01(model_path, tmp_path / "out", fault)
