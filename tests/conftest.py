@@ -62,6 +62,18 @@ def model_path():
     return MODEL
 
 
+def model_with_template(model_path, folder, template):
+    """A copy of the verifier's tokenizer and config in `folder` (its weights left out: stage 01 never loads them)
+    whose chat template is `template` -> `folder`."""
+    import shutil
+    folder.mkdir()
+    for name in os.listdir(model_path):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_path, name), folder / name)
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tokenizer(model_path):
     from eagle3pipe.masks import load_tokenizer

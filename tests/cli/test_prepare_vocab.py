@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import loaded_nothing, run_script
+from conftest import loaded_nothing, model_with_template, run_script
 
 GOOD = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]}
 
@@ -219,13 +219,8 @@ def test_refusals_that_need_the_template_leave_no_folder_and_blame_the_right_inp
     """A chat template that fails on every conversation (here one that raises as it renders) is the verifier's
     fault, named by --model-path; one that does not parse is named before the tokenizer loads; rows too short to
     train on are the data's. Each is found before the output folder is taken."""
-    import shutil
-    model = tmp_path / "model"
-    model.mkdir()
-    for name in os.listdir(model_path):
-        if not name.endswith(".safetensors"):
-            shutil.copy(os.path.join(model_path, name), model / name)
-    (model / "chat_template.jinja").write_text("{% for message in messages %}{{ message['content'] }}")  # no endfor
+    model = model_with_template(model_path, tmp_path / "model",
+                                "{% for message in messages %}{{ message['content'] }}")  # no endfor
     data = bad(tmp_path, "d.jsonl", json.dumps(GOOD) + "\n")
     p, secs = run_script("01_prepare_dataset.py", "--model-path", str(model), "--dataset", data,
                          "--output-dir", str(tmp_path / "out"))
@@ -248,13 +243,8 @@ def test_turns_the_template_does_not_place_are_said_and_a_selection_reads_nothin
     """A template that drops earlier answers: the turns left untrained were only a count in the manifest, and when
     none was left the data was blamed. And --num-samples N read record N+1: a broken record outside the selection
     stopped the run."""
-    import shutil
-    model = tmp_path / "model"
-    model.mkdir()
-    for name in os.listdir(model_path):
-        if not name.endswith(".safetensors"):
-            shutil.copy(os.path.join(model_path, name), model / name)
-    (model / "chat_template.jinja").write_text(
+    model = model_with_template(
+        model_path, tmp_path / "model",
         "{% for m in messages %}{% if m.role != 'assistant' or loop.last %}<|im_start|>{{ m.role }}\n{{ m.content }}"
         "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     two = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
@@ -283,14 +273,9 @@ def test_tool_use_trains_the_call_inside_its_turn_and_a_template_that_drops_call
     quoted text), and the tool definitions and results are context. A template that drops calls (the embedded
     SmolLM2's) would teach the draft to end the turn where the verifier calls: when it renders no call of any record,
     the run is refused naming the first, before the folder is taken."""
-    import shutil
     from conftest import FIXTURES
-    model = tmp_path / "model"
-    model.mkdir()
-    for name in os.listdir(model_path):
-        if not name.endswith(".safetensors"):
-            shutil.copy(os.path.join(model_path, name), model / name)
-    shutil.copy(os.path.join(FIXTURES, "templates", "qwen2.5-tools.jinja"), model / "chat_template.jinja")
+    model = model_with_template(model_path, tmp_path / "model",
+                                open(os.path.join(FIXTURES, "templates", "qwen2.5-tools.jinja")).read())
     tool = {"id": "t1", "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
             "messages": [{"role": "user", "content": "Weather in Paris?"},
                          {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, assert_refused, run_script, snapshot
+from conftest import REPO, assert_refused, model_with_template, run_script, snapshot
 
 
 class _Stalling(http.server.BaseHTTPRequestHandler):
@@ -68,13 +68,8 @@ def test_a_hub_that_stalls_after_the_probe_is_one_line_within_its_deadline(stall
 def test_a_template_that_loops_is_one_line_naming_it(model_path, tmp_path):
     """Two nested 99,999-step loops: 10^10 steps of Jinja. transformers runs it, so this refusal comes after the
     tokenizer loaded (no model ever does in stage 01); it must come within the budget, not after hours."""
-    model = tmp_path / "model"
-    model.mkdir()
-    for name in os.listdir(model_path):
-        if not name.endswith(".safetensors"):
-            shutil.copy(os.path.join(model_path, name), model / name)
-    (model / "chat_template.jinja").write_text("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}"
-                                               "{% endfor %}{{ messages[0]['content'] }}")
+    model = model_with_template(model_path, tmp_path / "model", "{% for i in range(99999) %}{% for j in range(99999) %}"
+                                "{% endfor %}{% endfor %}{{ messages[0]['content'] }}")
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
                     + "\n")

@@ -3,7 +3,6 @@ ends: a worker killed is one line and no folder, not a wait on results that neve
 of the stage leaves no worker behind. Real workers, faults injected (eagle3pipe/faults.py)."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import uuid
 
 import pytest
 
-from conftest import REPO, left_behind, marked_processes
+from conftest import REPO, left_behind, marked_processes, model_with_template
 
 
 def _as_from_a_terminal():
@@ -58,12 +57,8 @@ def test_a_template_that_loops_on_a_later_record_is_refused_there_and_the_worker
     """A template that loops on some records: the refusal names the first of them, as one process names it, after
     one time budget (a worker returns its chunk at that record), and the workers busy with the chunks queued behind
     it end with the stage instead of finishing them (at a 10 s budget each, minutes)."""
-    model = tmp_path / "model"
-    model.mkdir()
-    for name in os.listdir(model_path):
-        if not name.endswith(".safetensors"):
-            shutil.copy(os.path.join(model_path, name), model / name)
-    (model / "chat_template.jinja").write_text(
+    model = model_with_template(
+        model_path, tmp_path / "model",
         "{% if 'LOOP' in messages[0]['content'] %}{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}"
         "{% endfor %}{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
