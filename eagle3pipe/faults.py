@@ -17,7 +17,8 @@ variable. Nothing here does anything unless a variable is set.
     EAGLE3_INJECT_SIGNAL=POINT:SIG[:N] send SIG (TERM, INT) to this process the Nth time it reaches POINT: read
                                        (stage 04, inside a training sample's read), measure (inside the epoch's
                                        acceptance measure): a stop that lands where a broad `except` stands;
-                                       tokenize (stage 01, its --num-workers busy)
+                                       tokenize (stage 01, its --num-workers busy), tokenize-start (stage 01,
+                                       its workers forked, stop signals blocked until they are set up)
     EAGLE3_INJECT_OOM_ABOVE_TOKENS=N   raise torch's OutOfMemoryError for any stage 02 forward over N tokens
     EAGLE3_INJECT_OOM_AT_BATCH=N[:cpu] raise it at the Nth training batch of each stage 04 epoch, worded as CUDA
                                        words it (the words of a run that met three others on its card); with

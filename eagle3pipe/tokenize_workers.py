@@ -4,8 +4,8 @@ outcome yielded in the records' order, so the rows, counts and first errors are 
 Rendering and tokenizing are one CPU core's work per conversation (about 240 ShareGPT conversations a second on
 SmolLM2's tokenizer here: 500k conversations take 35 minutes in one process). The workers are forked after the
 tokenizer loaded, so none imports transformers or loads the tokenizer again, and they read the records from the
-memory they share with the stage: only chunk bounds go out and rows come back. Fork only (Linux): where it is not
-the platform's way, one process does it all.
+memory they share with the stage: only chunk bounds go out and rows come back, a bounded window of chunks ahead
+of the rows the stage has taken. Linux only (fork, the parent-death signal): elsewhere one process does it all.
 
 - A worker that dies (the kernel's OOM killer, a signal) ends the stage with one line, not a wait on a result that
   will never come (concurrent.futures reports a dead worker; multiprocessing.Pool waits forever).
@@ -15,8 +15,10 @@ the platform's way, one process does it all.
   parent-death signal). Workers ignore Ctrl-C and SIGHUP, which are the stage's to act on (a stage under nohup
   ignores SIGHUP, and so must they); the stop signals stay blocked from the fork until a worker has set that up.
 """
-import math
+import collections
 import concurrent.futures
+import itertools
+import math
 import multiprocessing
 import os
 import signal
@@ -93,8 +95,8 @@ def _chunk(bounds):
     for _, messages, tools in records[start:end]:
         try:
             out.append(outcome(tok, messages, max_seq_len, tools))
-        except Exception as e:  # noqa: BLE001 - named by the stage at this record, where one process fails too
-            out.append(("crash", f"{type(e).__name__}: {e}"))
+        except Exception as e:  # noqa: BLE001 - raised by the stage at this record, as one process raises it
+            out.append(("crash", e))
         if out[-1][0] in ("slow", "crash"):
             break  # the stage stops at this record: the rest of the chunk would only delay it
     return out
@@ -113,18 +115,25 @@ def outcomes(records, tok, max_seq_len, workers):
     size = max(1, min(CHUNK, len(records) // (4 * workers)))  # a small job still spreads over every worker
     bounds = [(i, min(i + size, len(records))) for i in range(0, len(records), size)]
     before = set(multiprocessing.active_children())
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # until each worker has its own handling
+    pool, finished, chunks = None, False, iter(bounds)
     try:
-        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                                      initializer=_start_worker, initargs=(os.getpid(),))
-        results = pool.map(_chunk, bounds)  # every chunk submitted: the workers are forked here
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    finished = False
-    try:
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # until each worker has its own handling
         try:
-            for chunk in results:
-                yield from chunk
+            pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                                          initializer=_start_worker, initargs=(os.getpid(),))
+            # chunks in flight, in order, at most this many ahead of the rows taken (a finished chunk waits as Python
+            # lists, about 40 bytes a token); the first submit forks every worker
+            window = collections.deque(pool.submit(_chunk, b) for b in itertools.islice(chunks, 2 * workers + 1))
+            faults.signal_point("tokenize-start")  # a stop while the workers start (tests/reliability)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a stop signal that came meanwhile is raised here
+        try:
+            while window:
+                results = window.popleft().result()
+                following = next(chunks, None)
+                if following is not None:
+                    window.append(pool.submit(_chunk, following))
+                yield from results
             finished = True
         except concurrent.futures.process.BrokenProcessPool as e:
             raise RunError(f"a tokenizing worker process died ({e}): killed, or out of memory? No rows were "
@@ -133,8 +142,10 @@ def outcomes(records, tok, max_seq_len, workers):
         _shared.clear()
         if finished:
             pool.shutdown()  # idle workers, each gone at its stop marker
-        else:  # stopped early: the workers write nothing, so they end now rather than after the chunks queued
-            pool.shutdown(wait=False, cancel_futures=True)
+        else:  # stopped early, or never started whole (a fork that failed): the workers write nothing, so they end
+            # now, not after the chunks queued (or never, waiting on a queue nobody feeds)
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
             procs = set(multiprocessing.active_children()) - before
             for p in procs:
                 p.kill()

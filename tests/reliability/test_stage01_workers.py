@@ -40,6 +40,7 @@ def test_a_worker_that_dies_ends_the_stage_in_one_line_with_nothing_written(mode
 
 
 @pytest.mark.parametrize("fault,code", [({"EAGLE3_INJECT_SIGNAL": "tokenize:TERM:10"}, 143),
+                                        ({"EAGLE3_INJECT_SIGNAL": "tokenize-start:TERM"}, 143),
                                         pytest.param({"EAGLE3_INJECT_SIGNAL": "tokenize:INT:10"}, 130,
                                                      marks=pytest.mark.slow),
                                         ({"EAGLE3_INJECT_KILL": "tokenize:10"}, -9)])
