@@ -6,7 +6,10 @@ then stalls), and a chat template (Jinja code the operator did not write, which 
   them without limit. `EAGLE3_HUB_TIMEOUT_S` moves it.
 - `TEMPLATE_SECONDS` bounds one render of a chat template (a real one takes milliseconds). `EAGLE3_TEMPLATE_TIMEOUT_S`
   moves it.
-A wait past its deadline is a UsageError: one line naming what was waited on, exit 2.
+- `worker_seconds` bounds stage 01's wait on one worker's chunk of conversations (about a second's work; a worker
+  stopped or stuck in a lock inherited across the fork never answers). `EAGLE3_WORKER_TIMEOUT_S` moves it.
+A wait past its deadline is one line naming what was waited on: exit 2 for what the operator gave (the hub, a
+template), 1 for a worker.
 Nothing here imports a heavy library.
 """
 import contextlib
@@ -22,7 +25,8 @@ from .errors import UsageError
 MOST = 86400.0  # seconds: a day; past it a limit is no deadline (and setitimer overflows long before 1e12)
 LEAST = 0.01
 # the environment's knobs of waits: (name, default, least); every stage checks them all at once (check_environment)
-KNOBS = {"EAGLE3_HUB_TIMEOUT_S": 30.0, "EAGLE3_TEMPLATE_TIMEOUT_S": 10.0, "EAGLE3_LIFELINE_GRACE": 5.0}
+KNOBS = {"EAGLE3_HUB_TIMEOUT_S": 30.0, "EAGLE3_TEMPLATE_TIMEOUT_S": 10.0, "EAGLE3_LIFELINE_GRACE": 5.0,
+         "EAGLE3_WORKER_TIMEOUT_S": 1800.0}
 
 
 def _seconds(name, default, zero_ok=False):
@@ -52,10 +56,14 @@ def lifeline_grace():
     return _seconds("EAGLE3_LIFELINE_GRACE", KNOBS["EAGLE3_LIFELINE_GRACE"], zero_ok=True)
 
 
+def worker_seconds():
+    return _seconds("EAGLE3_WORKER_TIMEOUT_S", KNOBS["EAGLE3_WORKER_TIMEOUT_S"])
+
+
 def check_environment():
     """Every knob checked at a stage's start: a bad one found only when its wait comes (the watchdog's grace, when
     the stage has died) would be found too late."""
-    hub_seconds(), template_seconds(), lifeline_grace()
+    hub_seconds(), template_seconds(), lifeline_grace(), worker_seconds()
 
 
 def call(fn, seconds, what, *args, **kwargs):

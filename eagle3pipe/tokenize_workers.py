@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 
-from . import faults, lifeline
+from . import deadlines, faults, lifeline
 from .errors import RunError
 
 AUTO_MIN_RECORDS = 1000  # below this one process is quicker than starting workers
@@ -129,7 +129,13 @@ def outcomes(records, tok, max_seq_len, workers):
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a stop signal that came meanwhile is raised here
         try:
             while window:
-                results = window.popleft().result()
+                try:
+                    results = window.popleft().result(timeout=deadlines.worker_seconds())
+                except concurrent.futures.TimeoutError:
+                    raise RunError(f"a tokenizing worker returned nothing for {deadlines.worker_seconds():g} s (a chunk "
+                                   f"of {size} conversations takes about a second): stopped or stuck; no rows were "
+                                   f"written; rerun (with --num-workers 1 if it recurs; EAGLE3_WORKER_TIMEOUT_S moves "
+                                   f"the limit)") from None
                 following = next(chunks, None)
                 if following is not None:
                     window.append(pool.submit(_chunk, following))

@@ -93,3 +93,24 @@ def test_a_hang_up_under_nohup_stops_neither_the_stage_nor_its_workers(model_pat
     assert proc.returncode == 0, err[-2000:]
     assert json.load(open(out / "manifest.json"))["counts"]["records_read"] == 1500
     assert left_behind(mark) == []
+
+
+def test_a_worker_that_never_answers_ends_the_stage_at_its_deadline(model_path, tmp_path):
+    """A worker stopped (SIGSTOP), or stuck in a lock it inherited across the fork, never returns its chunk: the
+    stage waits on it for EAGLE3_WORKER_TIMEOUT_S, then ends in one line with nothing written and no worker left."""
+    mark, out = uuid.uuid4().hex, tmp_path / "out"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "EAGLE3_TEST_MARK": mark, "EAGLE3_WORKER_TIMEOUT_S": "3"}
+    proc = subprocess.Popen([sys.executable, "01_prepare_dataset.py", "--model-path", model_path, "--num-samples",
+                             "1500", "--num-workers", "2", "--output-dir", str(out)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=_as_from_a_terminal)
+    deadline = time.time() + 120
+    while len(stage := [p for p, c in marked_processes(mark) if "01_prepare_dataset.py" in c]) < 3:
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.05)
+    os.kill(next(p for p in stage if p != proc.pid), signal.SIGSTOP)  # a worker
+    err = proc.communicate(timeout=300)[1]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(lines) == 1 and "a tokenizing worker returned nothing for 3 s" in lines[0], \
+        err[-2000:]
+    assert "Traceback" not in err and not out.exists() and left_behind(mark) == []
