@@ -113,9 +113,10 @@ def outcomes(records, tok, max_seq_len, workers):
     # the tokenizer's own threads are unusable after a fork: say so once here, not as a warning from every worker
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     size = max(1, min(CHUNK, len(records) // (4 * workers)))  # a small job still spreads over every worker
-    bounds = [(i, min(i + size, len(records))) for i in range(0, len(records), size)]
+    chunks = ((i, min(i + size, len(records))) for i in range(0, len(records), size))
+    limit = deadlines.worker_seconds()
     before = set(multiprocessing.active_children())
-    pool, finished, chunks = None, False, iter(bounds)
+    pool, finished = None, False
     try:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # until each worker has its own handling
         try:
@@ -130,9 +131,9 @@ def outcomes(records, tok, max_seq_len, workers):
         try:
             while window:
                 try:
-                    results = window.popleft().result(timeout=deadlines.worker_seconds())
+                    results = window.popleft().result(timeout=limit)
                 except concurrent.futures.TimeoutError:
-                    raise RunError(f"a tokenizing worker returned nothing for {deadlines.worker_seconds():g} s (a chunk "
+                    raise RunError(f"a tokenizing worker returned nothing for {limit:g} s (a chunk "
                                    f"of {size} conversations takes about a second): stopped or stuck; no rows were "
                                    f"written; rerun (with --num-workers 1 if it recurs; EAGLE3_WORKER_TIMEOUT_S moves "
                                    f"the limit)") from None
@@ -150,10 +151,11 @@ def outcomes(records, tok, max_seq_len, workers):
             pool.shutdown()  # idle workers, each gone at its stop marker
         else:  # stopped early, or never started whole (a fork that failed): the workers write nothing, so they end
             # now, not after the chunks queued (or never, waiting on a queue nobody feeds)
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
             procs = set(multiprocessing.active_children()) - before
             for p in procs:
                 p.kill()
+            if pool is not None:  # its manager thread, seeing them dead, ends at once: joined here, for Python
+                # 3.11's exit would otherwise race it on a pipe it closes (a traceback after the stage's error line)
+                pool.shutdown(cancel_futures=True)
             for p in procs:
                 p.join(10)
