@@ -21,7 +21,7 @@ import os
 
 from eagle3pipe import cli, engines, faults, preflight
 from eagle3pipe.extract_output import finish, prepare_output, record_compute_dtype
-from eagle3pipe.files import read_rows
+from eagle3pipe.rows import read_rows
 
 
 def parse_args(argv=None):
@@ -59,9 +59,9 @@ def main():
     plan = preflight.plan(args)
     print(preflight.format_plan(plan), flush=True)
     # every row is read and checked before anything is written (the dry run, in seconds, trusts stage 01's manifest)
-    rows = None if args.dry_run else [ids for ids, _ in read_rows(
+    rows = None if args.dry_run else read_rows(
         os.path.dirname(plan.jsonl), plan.rows, plan.verifier["vocab_size"], masks=False,
-        longest=plan.prepared_manifest["counts"]["max_row_tokens"])]
+        longest=plan.prepared_manifest["counts"]["max_row_tokens"]).token_ids()
     preflight.check_unchanged("--prepared-data", plan.jsonl, plan.prepared_manifest)  # after the rows: a bad one named
     identity, out = prepare_output(args, plan)  # refuses another run's folder, --dry-run included; takes the lock
     for warning in (plan.compute.warning, plan.warning):  # after every refusal: a refusal stays one line

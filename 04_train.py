@@ -127,7 +127,7 @@ def main():
                                     storage=plan.ext.storage_dtype, dtype=dtype.dtype,
                                     recipe_=plan.recipe)
         log.info(f"training a {args.num_layers}-layer EAGLE-3 draft on {len(plan.rows) - len(plan.failed)} rows "
-                 f"({sum(len(r[0]) for r in plan.rows):,} tokens), aux layer ids {plan.aux}, draft vocab "
+                 f"({plan.rows.tokens:,} tokens), aux layer ids {plan.aux}, draft vocab "
                  f"{plan.draft_vocab:,}, {'CPU' if on_cpu else 'GPU'}, {dtype.dtype}")
         measure = validation_measure.plan(args, plan.rows, plan.aux, on_cpu) if rank == 0 else None
         result = training.run(cfg, args, on_cpu, dtype.dtype, data.loaders(), measure, data.batch_step)

@@ -17,6 +17,7 @@ import threading
 import time
 
 from . import engines, faults, outdir
+from .rows import same_ids
 from .spool import remove_spool_file, wait_for_engine_file
 from .errors import UsageError, resume_hint
 from .hidden_states import (SCALES, check_file, check_header, finite, hs_path, load_checked, quantize_fp8, read_header,
@@ -104,7 +105,7 @@ class Writer:
         if reason is None:
             from safetensors import safe_open
             with safe_open(path, "pt") as f:
-                if f.get_tensor("token_ids").tolist() != list(self.rows[i]):
+                if not same_ids(f.get_tensor("token_ids"), self.rows[i]):
                     reason = "token_ids differ from the prepared row"
         if reason:
             remove_spool_file(self.spool, path)

@@ -48,7 +48,7 @@ class Session:
             if self.rank == 0:
                 log.info(online_plan.describe(p, args.backend))
                 self.spool = sample_cache.prepare(out, p)
-                self.server = online_engine.launch(args, p, out, self.rows[0][0][:16], self.spool)
+                self.server = online_engine.launch(args, p, out, self.rows[0][0][:16].tolist(), self.spool)
                 self.server.watch(lambda why: stop_run(f"the extraction engine {why}", out))
                 train_data.build_bridge(self.rows, self.bridge, self.server.url)
             self.url = train_data.wait_for_bridge(self.bridge, timeout=args.engine_timeout + 600)

@@ -5,6 +5,7 @@ speculators' `hidden_states_path` points at stage 02's folder, row i <-> hs_i.
 """
 import array
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import time
 from . import files, fp8_transport, outdir
 from .errors import RunError, UsageError
 from .files import STAGE_SCRIPTS, load_stage
+from .rows import read_rows, same_ids
 from .hidden_states import SCALES, check_header, fp8_to, hs_path, load_sample, read_token_ids, verify_crc
 from .verifier import same_verifier
 
@@ -88,7 +90,7 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
         raise UsageError(f"--vocab-mapping {args.vocab_mapping}: d2t.npy changed since stage 03 wrote it (content id "
                          f"{files.array_id(d2t)}, its {files.MANIFEST} says {voc['d2t_id']}); rerun "
                          f"03_build_vocab_mapping.py")
-    rows = files.read_rows(args.prepared_data, prep["counts"]["rows"])
+    rows = read_rows(args.prepared_data, prep["counts"]["rows"])
     if online_layer_ids:
         if rows.digest != prep["content_id"]:
             raise UsageError(f"--prepared-data {args.prepared_data}: tokenized_data.jsonl was edited after stage 01 "
@@ -96,16 +98,17 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
         return prep, states, voc, rows, set()
     n_states, hidden, failed = len(states.layer_ids), states.hidden_size, set(states.failed)
     if rows.digest != prep["content_id"]:
-        changed = next((i for i, (ids, _) in enumerate(rows) if i not in failed and _stored_ids(args, i) != ids), None)
+        changed = next((i for i, (ids, _) in enumerate(rows) if i not in failed and not same_ids(_stored_ids(args, i), ids)),
+                       None)
         where = (f"row {changed} (line {changed + 1}) differs from the tokens stage 02 extracted into "
                  f"hs_{changed}.safetensors" if changed is not None else "its hash is not the manifest's content_id")
         raise UsageError(f"--prepared-data {args.prepared_data}: tokenized_data.jsonl was edited after stage 01 wrote "
                          f"it ({where}); rerun {STAGE_SCRIPTS['prepare']}, then the later stages")
     bad = []
-    for i, (ids, _) in enumerate(rows):
+    for i, n in enumerate(rows.lengths().tolist()):
         if i in failed:
             continue
-        reason = check_header(hs_path(args.hidden_states, i), len(ids), n_states, hidden)
+        reason = check_header(hs_path(args.hidden_states, i), n, n_states, hidden)
         if reason:
             bad.append((i, reason))
     if not bad and verify_data:  # --verify-data: every byte against its CRC before step 1 (else as each is read)
@@ -113,7 +116,7 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
 
         def verify(i):
             reason = verify_crc(hs_path(args.hidden_states, i))
-            return reason or (None if _stored_ids(args, i) == rows[i][0] else "token_ids differ from the prepared row")
+            return reason or (None if same_ids(_stored_ids(args, i), rows[i][0]) else "token_ids differ from the prepared row")
         todo = [i for i in range(len(rows)) if i not in failed]
         with ThreadPoolExecutor(min(16, 2 * (os.cpu_count() or 1))) as ex:
             bad = [(i, r) for i, r in zip(todo, ex.map(verify, todo)) if r]
@@ -135,7 +138,9 @@ MAX_BAD_SHARE = 0.01  # of the rows: more bad samples than this (and more than o
 def ids_digest(ids):
     """A row's token ids in one int: its length and 17 ids spread over it. A file holding another row's states
     (copied or renamed over this one) differs here; two rows that agree on all of it are alike enough to train on."""
-    return hash((len(ids), tuple(ids[::max(1, len(ids) // 16)]), ids[-1] if ids else None))
+    n = len(ids)
+    picked = ids[::max(1, n // 16)]  # a row's int32 view or a file's list: the same ints either way
+    return hash((n, tuple(int(x) for x in picked), int(ids[-1]) if n else None))
 
 
 class CheckedFiles:
@@ -302,8 +307,15 @@ def build_bridge(rows, folder, engine_url=None):
     Rows whose extraction failed stay in the table (their file is absent: speculators skips them). With --online the
     engine's URL goes beside it, for the other ranks. Built in `<folder>.new` (made and recorded here) and renamed."""
     import datasets
-    ds = datasets.Dataset.from_dict({"input_ids": [r[0] for r in rows], "loss_mask": [r[1] for r in rows],
-                                     "seq_len": [len(r[0]) for r in rows]})
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+    # from the rows' arrays straight into Arrow (no Python int per token: a 500k-row run would hold tens of GB), with
+    # the column types datasets infers from Python lists. Given no fingerprint, datasets pickles the whole table to
+    # hash it (a second copy of every token: +1.2 GB at the embedded data's 25M tokens); the rows' own digest and
+    # span name the table instead
+    span = f"{rows.digest}:{int(rows.offsets[0])}:{int(rows.offsets[-1])}:{len(rows)}"
+    ds = datasets.Dataset(InMemoryTable(pa.table(rows.arrow_columns())),
+                          fingerprint=hashlib.sha256(span.encode()).hexdigest()[:32])
     ds.set_format(type="torch")
     new = outdir.make_dir(folder + ".new")
     outdir.clear_scratch(new, DATASET_FILES)  # a killed run's half-built table

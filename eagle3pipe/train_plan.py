@@ -254,7 +254,7 @@ def memory_hint(s, rows, on_gpu, online):
     """What an out-of-memory line advises beyond freeing memory (errors.MEMORY), by what ran out. A step's memory
     grows with --total-seq-len (its floor: the longest row) and --ttt-steps; a new value of either starts over, since
     the run's identity holds it and a resume would refuse it."""
-    longest = max(len(r[0]) for r in rows)
+    longest = int(rows.lengths().max())
     over = "and start over with --overwrite or another --output-dir"
     step = (f"lower --total-seq-len ({s.total_seq_len:,} now; the longest row needs {longest:,}) {over}"
             if s.total_seq_len > longest else

@@ -24,10 +24,11 @@ def validation_prompts(rows, val_ratio, n):
     val_ratio)) on): the ids before each row's first trained token."""
     out, seen = [], set()
     for ids, mask in rows[int(len(rows) * (1 - val_ratio)):]:
-        first = next((i for i, m in enumerate(mask or ()) if m), None)
-        if first and first <= MAX_PROMPT_TOKENS and tuple(ids[:first]) not in seen:
-            seen.add(tuple(ids[:first]))
-            out.append(list(ids[:first]))
+        first = next((i for i, m in enumerate(mask if mask is not None else ()) if m), None)
+        prompt = [int(x) for x in ids[:first]] if first else None  # Python ints: the prompts go to JSON and torch
+        if first and first <= MAX_PROMPT_TOKENS and tuple(prompt) not in seen:
+            seen.add(tuple(prompt))
+            out.append(prompt)
         if len(out) >= n:
             break
     return out

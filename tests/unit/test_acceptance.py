@@ -110,9 +110,11 @@ def test_num_samples_takes_the_first_rows_and_refuses_more_than_there_are():
     from types import SimpleNamespace
     from eagle3pipe.errors import UsageError
     from eagle3pipe.train_data import first_rows
-    rows = [([i], [1]) for i in range(10)]
+    from eagle3pipe.rows import Rows
+    rows = Rows.from_lists([([i], [1]) for i in range(10)])
     args = SimpleNamespace(num_samples=4, prepared_data="data/prepared")
-    assert first_rows(args, rows, {2, 7}) == (rows[:4], {2})
+    first, failed = first_rows(args, rows, {2, 7})
+    assert [ids.tolist() for ids, _ in first] == [[0], [1], [2], [3]] and failed == {2}
     assert first_rows(SimpleNamespace(num_samples=None), rows, {7}) == (rows, {7})
     with pytest.raises(UsageError, match=r"--num-samples 11: --prepared-data data/prepared holds 10 rows"):
         first_rows(SimpleNamespace(num_samples=11, prepared_data="data/prepared"), rows, set())

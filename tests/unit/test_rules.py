@@ -253,6 +253,7 @@ def test_a_gpu_out_of_memory_reads_as_its_figures_and_the_stage_flag_that_bounds
     container's PID namespace (no "this process") and CUDA_VISIBLE_DEVICES' renumbering each read right."""
     import torch
     from eagle3pipe import errors, train_plan
+    from eagle3pipe.rows import Rows
     monkeypatch.setattr(sys, "argv", ["04_train.py"])
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(errors, "MEMORY", {})
@@ -273,7 +274,7 @@ def test_a_gpu_out_of_memory_reads_as_its_figures_and_the_stage_flag_that_bounds
     assert oom(full, advice=False)[1].startswith("GPU 1 (nvidia-smi GPU 3) out of memory")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     plan = lambda longest, on_gpu=True, online=False: train_plan.memory_hint(
-        types.SimpleNamespace(total_seq_len=8192, ttt_steps=3), [[[0] * longest]], on_gpu, online)
+        types.SimpleNamespace(total_seq_len=8192, ttt_steps=3), Rows.from_lists([([0] * longest, None)]), on_gpu, online)
     monkeypatch.setattr(errors, "MEMORY", plan(2048))
     assert oom(shared)[1] == (figures + "; free the GPU, then rerun the same command to resume; or lower "
                               "--total-seq-len (8,192 now; the longest row needs 2,048) and start over with "
@@ -649,25 +650,25 @@ def test_weights_identify_a_verifier_beside_shapes_and_tokenizer(tmp_path):
 @pytest.mark.parametrize("ids", [[1, 2683.5], [1, True], [1, -1], [1, 49152], []])
 def test_stage01_rows_are_integers_inside_the_vocabulary(tmp_path, ids):
     import json
-    from eagle3pipe import files
+    from eagle3pipe.rows import read_rows
     (tmp_path / "tokenized_data.jsonl").write_text(json.dumps({"input_ids": ids, "loss_mask": [0] * len(ids)}) + "\n")
     with pytest.raises(UsageError, match="tokenized_data.jsonl:1: malformed row"):
-        files.read_rows(str(tmp_path), 1, vocab_size=49152)
+        read_rows(str(tmp_path), 1, vocab_size=49152)
 
 
 def test_stage01_rows_longer_or_shorter_than_their_manifest_says_are_refused(tmp_path):
     """Stage 02 checks --max-seq-len and plans memory by the manifest's longest row: a hand edit of either side
     (a row lengthened, the count lowered) ran rows past --max-seq-len with exit 0."""
     import json
-    from eagle3pipe import files
+    from eagle3pipe.rows import read_rows
     rows = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     (tmp_path / "tokenized_data.jsonl").write_text("".join(json.dumps({"input_ids": r, "loss_mask": [1] * len(r)})
                                                            + "\n" for r in rows))
-    assert len(files.read_rows(str(tmp_path), 3, longest=5)) == 3
+    assert len(read_rows(str(tmp_path), 3, longest=5)) == 3
     for said in (4, 100):
         with pytest.raises(UsageError, match=f"tokenized_data.jsonl: its longest row \\(line 2\\) has 5 tokens, its "
                                              f"manifest says {said}; rerun 01_prepare_dataset.py"):
-            files.read_rows(str(tmp_path), 3, longest=said)
+            read_rows(str(tmp_path), 3, longest=said)
 
 
 def test_the_validation_split_leaves_rows_on_both_sides():
