@@ -45,7 +45,8 @@ def test_two_shards_as_two_processes_equal_one_run(prep, hf_out, model_path, tmp
     assert "2 rows have no valid file" in p.stderr and "hs_3.safetensors" in p.stderr, p.stderr
     assert "checksum mismatch" in p.stderr and "rerun shard(s) 1/2" in p.stderr, p.stderr
     p, _ = extract(model_path, prep, out, "--backend", "hf", "--shard", "1/3")  # every replica splits the same way
-    assert p.returncode == 2 and "is split 2 ways by earlier replicas" in p.stderr and not p.heavy, p.stderr
+    # the folder holds a finished run's manifest: refused as a finished run of another split, before it is taken
+    assert p.returncode == 2 and "split 2 ways" in p.stderr and "give --shard I/2" in p.stderr and not p.heavy, p.stderr
     p, _ = extract(model_path, prep, out, "--backend", "hf", "--shard", "1/2")  # redoes exactly those two
     assert p.returncode == 0 and "2 to go" in p.stderr, p.stderr
     assert json.load(open(out / "manifest.json"))["complete"]
