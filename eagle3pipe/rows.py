@@ -77,6 +77,8 @@ class Rows:
         from Python lists, so the table speculators reads is unchanged), straight from the arrays with no Python int
         per token. Chunked so that no chunk's int32 offsets pass 2^31 tokens."""
         import pyarrow as pa
+        if self.masks is None:
+            raise ValueError("the Arrow table holds the masks: read the rows with masks=True")
         cols = {"input_ids": [], "loss_mask": [], "seq_len": []}
         start = 0
         while start < len(self):
@@ -107,7 +109,10 @@ def _checked(line, r, vocab_size):
     ids, mask = r["input_ids"], r["loss_mask"]
     if not (isinstance(ids, list) and isinstance(mask, list) and len(ids) == len(mask) > 0):
         raise ValueError(SHAPE)
-    a, m = np.array(ids), np.array(mask)
+    try:
+        a, m = np.array(ids), np.array(mask)
+    except ValueError:  # ragged nesting: numpy's own words name no row
+        raise ValueError(SHAPE) from None
     # numpy reads a JSON true among integers as 1: only a line holding a literal true/false looks at each id's type
     if a.ndim != 1 or m.ndim != 1 or a.dtype.kind not in "iu" or m.dtype.kind not in "iub" or \
             ((b"true" in line or b"false" in line) and any(type(x) is not int for x in ids)):

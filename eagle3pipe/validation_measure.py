@@ -25,8 +25,10 @@ def validation_prompts(rows, val_ratio, n):
     out, seen = [], set()
     for ids, mask in rows[int(len(rows) * (1 - val_ratio)):]:
         first = next((i for i, m in enumerate(mask if mask is not None else ()) if m), None)
-        prompt = [int(x) for x in ids[:first]] if first else None  # Python ints: the prompts go to JSON and torch
-        if first and first <= MAX_PROMPT_TOKENS and tuple(prompt) not in seen:
+        if not first or first > MAX_PROMPT_TOKENS:
+            continue
+        prompt = [int(x) for x in ids[:first]]  # Python ints: the prompts go to JSON and torch
+        if tuple(prompt) not in seen:
             seen.add(tuple(prompt))
             out.append(prompt)
         if len(out) >= n:

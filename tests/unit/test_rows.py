@@ -72,6 +72,14 @@ def test_a_malformed_row_is_named_by_its_line(tmp_path, row):
         read_rows(str(tmp_path), 2)
 
 
+def test_a_ragged_row_is_refused_in_the_readers_words_not_numpys(tmp_path):
+    write(tmp_path, [([1, [2, 3]], [1, 1])])
+    with pytest.raises(UsageError, match=r":1: malformed row \(input_ids and loss_mask must be equal-length lists"):
+        read_rows(str(tmp_path), 1)
+    with pytest.raises(ValueError, match="masks=True"):
+        Rows.from_lists([([1], None)]).arrow_columns()
+
+
 def test_true_in_a_text_field_does_not_slow_or_fail_a_row(tmp_path):
     """Only a line holding a literal true/false has each id's type looked at; such a line with only ints passes."""
     write(tmp_path, ROWS, {"note": "true", "flag": False})
