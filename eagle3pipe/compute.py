@@ -11,6 +11,7 @@ is the compute dtype; checkpoints stay speculators' bf16. Manifests record the c
 the preflight calls this before anything heavy loads.
 """
 import dataclasses
+import math
 import os
 import platform
 import subprocess
@@ -191,6 +192,57 @@ def muon_flops_per_step(named_params, ns_steps=5):
         m, n = sorted(shape)
         total += ns_steps * (4 * m * m * n + 2 * m ** 3)
     return total
+
+
+def cores(root="/"):
+    """The CPU cores this process may use: its affinity, within a cgroup's CPU quota (a container's) where set."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpus(root)
+    return n if quota is None else min(n, quota)
+
+
+def cgroup_cpus(root="/"):
+    """The cores a cgroup CPU quota allows this process (rounded up), or None where none is set or none is readable:
+    cgroup v2's cpu.max, or v1's cpu.cfs_quota_us over cpu.cfs_period_us (-1: none). Read at the process's own
+    cgroup (/proc/self/cgroup) and at the hierarchy's root (a container sees its own limit there); the lower wins.
+    `root`: where / is (tests build a tree of these files)."""
+    def read(path):
+        try:
+            with open(os.path.join(root, path.lstrip("/"))) as f:
+                return f.read().split()
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            own = [line.rstrip("\n").split(":", 2) for line in f]
+    except (OSError, UnicodeDecodeError):
+        own = []
+    found = []
+    for entry in own:
+        if len(entry) != 3:
+            continue
+        _, controllers, path = entry
+        if controllers == "":  # v2: one hierarchy, where cpu.max is
+            for d in {path, "/"}:
+                v = read(f"/sys/fs/cgroup/{d}/cpu.max")
+                if v and len(v) == 2 and v[0] != "max":
+                    found.append((v[0], v[1]))
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own mount (cpu, or cpu,cpuacct)
+            for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+                for d in {path, "/"}:
+                    q, p = read(f"/sys/fs/cgroup/{mount}/{d}/cpu.cfs_quota_us"), \
+                        read(f"/sys/fs/cgroup/{mount}/{d}/cpu.cfs_period_us")
+                    if q and p and q[0] != "-1":
+                        found.append((q[0], p[0]))
+    limits = []
+    for q, p in found:
+        try:
+            if int(q) > 0 and int(p) > 0:
+                limits.append(max(1, math.ceil(int(q) / int(p))))
+        except ValueError:
+            continue
+    return min(limits) if limits else None
 
 
 def available_ram():

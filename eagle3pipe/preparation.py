@@ -9,7 +9,7 @@ import json
 import os
 import random
 
-from . import cli, conversations, faults, files, messages as chat, outdir, regenerate, tokenize_workers, verifier
+from . import cli, compute, conversations, faults, files, messages as chat, outdir, regenerate, tokenize_workers, verifier
 
 
 def check(args):
@@ -22,7 +22,7 @@ def check(args):
     if args.regenerate:
         regenerate.check(args, text_cfg)
     conversations.check_dataset(args.dataset)
-    cores = tokenize_workers.cores()
+    cores = compute.cores()
     if args.num_workers is not None and args.num_workers > 2 * cores:  # a typo, or another machine's value
         raise cli.UsageError(f"--num-workers {args.num_workers}: more than twice the {cores} CPU cores this process "
                              f"may use; each worker renders and tokenizes on one core")

@@ -18,13 +18,12 @@ of the rows the stage has taken. Linux only (fork, the parent-death signal): els
 import collections
 import concurrent.futures
 import itertools
-import math
 import multiprocessing
 import os
 import signal
 import sys
 
-from . import deadlines, faults, lifeline
+from . import compute, deadlines, faults, lifeline
 from .errors import RunError
 
 AUTO_MIN_RECORDS = 1000  # below this one process is quicker than starting workers
@@ -51,19 +50,6 @@ def outcome(tok, messages, max_seq_len, tools):
     return ("ok", ids, mask, meta)
 
 
-def cores():
-    """The CPU cores this process may use: its affinity, within a cgroup's CPU quota (a container's) where set."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError, ZeroDivisionError):
-        pass
-    return n
-
-
 def count(requested, n_records, regenerate=False):
     """The worker processes to use: `requested` (--num-workers; 0 or 1: this process) where given, else one for a
     small job (or after --regenerate, whose engine shared this process) and up to AUTO_MAX_WORKERS of the cores
@@ -74,7 +60,7 @@ def count(requested, n_records, regenerate=False):
         return max(1, min(requested, n_records))
     if regenerate or n_records < AUTO_MIN_RECORDS:
         return 1
-    return max(1, min(cores(), AUTO_MAX_WORKERS))
+    return max(1, min(compute.cores(), AUTO_MAX_WORKERS))
 
 
 def _start_worker(stage):

@@ -8,6 +8,7 @@ import os
 import shutil
 
 from . import files
+from . import compute
 from .compute import available_ram
 from .errors import UsageError
 
@@ -58,7 +59,7 @@ def check_device(s):
         raise UsageError("--fsdp: shards the draft across the ranks of a torchrun launch, and this process was not "
                          "started by torchrun (no LOCAL_RANK): launch with `torchrun --nproc-per-node N 04_train.py "
                          "...`, or drop --fsdp")
-    cores = len(os.sched_getaffinity(0))
+    cores = compute.cores()
     if s.num_workers is not None and s.num_workers > 2 * cores:
         raise UsageError(f"--num-workers {s.num_workers}: more than twice the {cores} CPU cores this process may use; "
                          f"each worker is a process holding batches in memory, and more than the cores only contend "

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 
-from . import checkpoints, files, mla_draft, outdir, train_data
+from . import checkpoints, compute, files, mla_draft, outdir, train_data
 from .train_log import DenseLog
 from .errors import UsageError
 from .inherited import last_words
@@ -238,7 +238,7 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16
     from speculators.train.config import TrainConfig
     # GPU: up to 12 workers per rank (speculators' default) but no more than the cores each rank has: reading
     # per-sample files is most of a step's input cost. CPU: none, the training step already uses every core.
-    per_rank = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    per_rank = compute.cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # within a container's quota
     workers = args.num_workers if args.num_workers is not None else (0 if on_cpu else max(1, min(12, per_rank - 1)))
     if args.online and args.num_workers is None:  # a worker mostly waits for the engine: one runs ahead even on CPU
         workers = max(workers, 1) if on_cpu else min(workers, 4)
