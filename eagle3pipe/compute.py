@@ -245,6 +245,21 @@ def cgroup_cpus(root="/"):
     return min(limits) if limits else None
 
 
+def cpu_list(root="/"):
+    """The CPUs vLLM-CPU's OpenMP threads bind to (VLLM_CPU_OMP_THREADS_BIND's form: "0-3,8"): the first `cores()` of
+    this process's affinity. Binding CPUs outside the affinity fails, and more threads than a quota's cores only
+    contend."""
+    ids = sorted(os.sched_getaffinity(0))[:cores(root)] if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+    spans = []  # [first, last] of each run of consecutive ids
+    for i in ids:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+
+
 def available_ram():
     try:
         with open("/proc/meminfo") as f:

@@ -1,6 +1,7 @@
 """The devices and the vLLM engine, as stages 01 (--regenerate), 02 and 05 use them.
 
-- `cpu_vllm_env()`: vLLM-CPU's settings on a machine without GPUs: every core for the worker, none reserved for
+- `cpu_vllm_env()`: vLLM-CPU's settings on a machine without GPUs: every core this process may use (its
+  affinity, within a container's CPU quota) for the worker, none reserved for
   busy polling (by default vLLM reserves one, two with a KV connector, leaving a 2-core machine's worker one or none),
   a 2 GiB KV cache unless `cpu_kv_cache_bytes` sizes it: vLLM-CPU fills its whole cache before the engine answers
   (about 17 s for 2 GiB on a 2-core CPU), while stage 05 at batch 1 needs a few MiB of it.
@@ -19,7 +20,7 @@ import threading
 import time
 import urllib.request
 
-from . import lifeline
+from . import compute, lifeline
 from .adapters import VLLM_CPU_MLA_COMPILATION
 from .engine_log import engine_output, last_error
 from .errors import RunError, UsageError
@@ -35,10 +36,9 @@ def cpu_vllm_env(env=None, kv_cache_sized=False):
     """vLLM-CPU's settings, into `env` (default: this process's environment) unless already set. With
     `kv_cache_sized` the engine's own argument sizes the cache (the variable, where set, would override it)."""
     env = os.environ if env is None else env
-    n = os.cpu_count() or 1
     if not kv_cache_sized:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_CAP >> 30))
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", compute.cpu_list())
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
@@ -303,10 +303,9 @@ def serve_command(model_path, draft, k, elsewhere=False, text_cfg=None):
         pass
     if elsewhere:
         return f"vllm serve {shlex.quote(model_path)} --speculative-config {spec}"
-    n = os.cpu_count() or 1
     comp = cpu_compilation(text_cfg or {})
     comp = f" --compilation-config {shlex.quote(json.dumps(comp))}" if comp else ""
-    return (f"VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-{n - 1} VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
+    return (f"VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND={compute.cpu_list()} VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
             f"{shlex.quote(sys.executable)} -m {server_module()} --model "
             f"{shlex.quote(model_path)} --enforce-eager{comp} --speculative-config {spec}")
 

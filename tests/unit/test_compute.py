@@ -78,3 +78,29 @@ def test_memory_of_weights_loaded_in_float32():
     assert compute.loaded_weights_bytes(100, "float32", "float32") == 100
     assert compute.loaded_weights_bytes(100, None, "float32") == 100
     assert compute.loaded_weights_bytes(None, "bfloat16", "float32") is None
+
+
+def test_vllm_cpu_threads_bind_to_the_affinity_within_the_quota(tmp_path):
+    """vLLM-CPU's OpenMP threads bind to CPUs this process may run on (binding outside its affinity fails), as many
+    as a container's quota allows (more only contend), in the variable's own form: runs as "a-b", joined by commas."""
+    import os
+    from eagle3pipe import compute, engine
+    before = os.sched_getaffinity(0)
+    ids = sorted(before)
+    try:
+        os.sched_setaffinity(0, {ids[-1]})  # a taskset to the last CPU: binding "0-..." would be outside it
+        assert compute.cpu_list() == str(ids[-1])
+        env = {}
+        engine.cpu_vllm_env(env)
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(ids[-1])
+    finally:
+        os.sched_setaffinity(0, before)
+    expand = lambda text: [i for part in text.split(",") for i in  # noqa: E731
+                           range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)]
+    assert expand(compute.cpu_list()) == ids[:compute.cores()]
+    quota = tmp_path / "q"  # a cgroup v1 quota of one core
+    for path, text in {"proc/self/cgroup": "1:cpu:/\n", "sys/fs/cgroup/cpu/cpu.cfs_quota_us": "100000\n",
+                       "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n"}.items():
+        (quota / path).parent.mkdir(parents=True, exist_ok=True)
+        (quota / path).write_text(text)
+    assert compute.cpu_list(str(quota)) == str(ids[0])
