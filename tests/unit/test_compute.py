@@ -104,3 +104,19 @@ def test_vllm_cpu_threads_bind_to_the_affinity_within_the_quota(tmp_path):
         (quota / path).parent.mkdir(parents=True, exist_ok=True)
         (quota / path).write_text(text)
     assert compute.cpu_list(str(quota)) == str(ids[0])
+
+
+def test_torch_threads_follow_a_containers_quota_unless_the_operator_set_them(tmp_path):
+    import os
+    from eagle3pipe import compute
+    quota = tmp_path / "q"  # a cgroup v2 quota of one core
+    for path, text in {"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/cpu.max": "100000 100000\n"}.items():
+        (quota / path).parent.mkdir(parents=True, exist_ok=True)
+        (quota / path).write_text(text)
+    env = {}
+    if len(os.sched_getaffinity(0)) > 1:
+        assert compute.cap_threads(env, str(quota)) == 1 and env == {"OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "7"}
+    assert compute.cap_threads(env, str(quota)) is None and env == {"OMP_NUM_THREADS": "7"}  # the operator's stays
+    env = {}
+    assert compute.cap_threads(env, str(tmp_path / "no-cgroup")) is None and env == {}  # no quota: OpenMP's default
