@@ -245,15 +245,16 @@ def cgroup_cpus(root="/"):
     return min(limits) if limits else None
 
 
-def cap_threads(env=None, root="/"):
+def cap_threads(env=None, root="/", gpus=None):
     """Under a container's CPU quota below its affinity (a pod limited to 8 CPUs of a 128-core node), OpenMP's
     default, one thread per CPU in the affinity, makes torch's threads contend for the quota's share: OMP_NUM_THREADS
     becomes the quota's cores, unless the operator set it. Set before torch loads (cli.run), so children inherit it.
-    -> the value set, or None."""
+    Not with GPUs: there vLLM's workers and torchrun's ranks each take one thread where the variable is unset, and
+    the compute is the GPUs'. -> the value set, or None."""
     env = os.environ if env is None else env
     quota = cgroup_cpus(root)
     if "OMP_NUM_THREADS" in env or quota is None or not hasattr(os, "sched_getaffinity") or \
-            quota >= len(os.sched_getaffinity(0)):
+            quota >= len(os.sched_getaffinity(0)) or (gpus if gpus is not None else visible_gpus()):
         return None
     env["OMP_NUM_THREADS"] = str(quota)
     return quota

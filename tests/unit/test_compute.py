@@ -115,7 +115,9 @@ def test_torch_threads_follow_a_containers_quota_unless_the_operator_set_them(tm
         (quota / path).write_text(text)
     env = {}
     if len(os.sched_getaffinity(0)) > 1:
-        assert compute.cap_threads(env, str(quota)) == 1 and env == {"OMP_NUM_THREADS": "1"}
+        assert compute.cap_threads(env, str(quota), gpus=[]) == 1 and env == {"OMP_NUM_THREADS": "1"}
+        env = {}
+        assert compute.cap_threads(env, str(quota), gpus=[("H100", 80 << 30)]) is None and env == {}  # vLLM's, torchrun's
     env = {"OMP_NUM_THREADS": "7"}
     assert compute.cap_threads(env, str(quota)) is None and env == {"OMP_NUM_THREADS": "7"}  # the operator's stays
     env = {}
