@@ -88,8 +88,6 @@ def run(main, exit_now=False):
     worker processes and their semaphores."""
     from . import inherited
     inherited.guard()  # before anything opens a file: a closed fd 1 would otherwise become the lock or the record
-    from . import compute
-    compute.cap_threads()  # before torch loads: a container's CPU quota, not the host's cores
     _stop_on_signals()
     try:
         code = main()

@@ -203,15 +203,19 @@ def cores(root="/"):
 
 def cgroup_cpus(root="/"):
     """The cores a cgroup CPU quota allows this process (rounded up), or None where none is set or none is readable:
-    cgroup v2's cpu.max, or v1's cpu.cfs_quota_us over cpu.cfs_period_us (-1: none). Read at the process's own
-    cgroup (/proc/self/cgroup) and at the hierarchy's root (a container sees its own limit there); the lower wins.
-    `root`: where / is (tests build a tree of these files)."""
+    cgroup v2's cpu.max, or v1's cpu.cfs_quota_us over cpu.cfs_period_us (-1: none), at the process's own cgroup
+    (/proc/self/cgroup) and every ancestor up to the hierarchy's root (a container sees its own limit there); the
+    lowest wins. `root`: where / is (tests build a tree of these files). Never raises."""
     def read(path):
         try:
             with open(os.path.join(root, path.lstrip("/"))) as f:
                 return f.read().split()
         except (OSError, UnicodeDecodeError):
             return None
+
+    def up(path):  # /a/b -> /a/b, /a, /
+        parts = [p for p in path.split("/") if p and p != ".."]
+        return ["/" + "/".join(parts[:i]) for i in range(len(parts), -1, -1)]
 
     try:
         with open(os.path.join(root, "proc/self/cgroup")) as f:
@@ -224,15 +228,15 @@ def cgroup_cpus(root="/"):
             continue
         _, controllers, path = entry
         if controllers == "":  # v2: one hierarchy, where cpu.max is
-            for d in {path, "/"}:
+            for d in up(path):
                 v = read(f"/sys/fs/cgroup/{d}/cpu.max")
                 if v and len(v) == 2 and v[0] != "max":
                     found.append((v[0], v[1]))
-        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own mount (cpu, or cpu,cpuacct)
-            for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
-                for d in {path, "/"}:
-                    q, p = read(f"/sys/fs/cgroup/{mount}/{d}/cpu.cfs_quota_us"), \
-                        read(f"/sys/fs/cgroup/{mount}/{d}/cpu.cfs_period_us")
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's mount, named for its controllers
+            for mount in dict.fromkeys((controllers, "cpu", "cpu,cpuacct")):
+                for d in up(path):
+                    q = read(f"/sys/fs/cgroup/{mount}/{d}/cpu.cfs_quota_us")
+                    p = read(f"/sys/fs/cgroup/{mount}/{d}/cpu.cfs_period_us")
                     if q and p and q[0] != "-1":
                         found.append((q[0], p[0]))
     limits = []
@@ -245,27 +249,12 @@ def cgroup_cpus(root="/"):
     return min(limits) if limits else None
 
 
-def cap_threads(env=None, root="/", gpus=None):
-    """Under a container's CPU quota below its affinity (a pod limited to 8 CPUs of a 128-core node), OpenMP's
-    default, one thread per CPU in the affinity, makes torch's threads contend for the quota's share: OMP_NUM_THREADS
-    becomes the quota's cores, unless the operator set it. Set before torch loads (cli.run), so children inherit it.
-    Not with GPUs: there vLLM's workers and torchrun's ranks each take one thread where the variable is unset, and
-    the compute is the GPUs'. -> the value set, or None."""
-    env = os.environ if env is None else env
-    quota = cgroup_cpus(root)
-    if "OMP_NUM_THREADS" in env or quota is None or not hasattr(os, "sched_getaffinity") or \
-            quota >= len(os.sched_getaffinity(0)) or (gpus if gpus is not None else visible_gpus()):
-        return None
-    env["OMP_NUM_THREADS"] = str(quota)
-    return quota
-
-
-def cpu_list(root="/"):
-    """The CPUs vLLM-CPU's OpenMP threads bind to (VLLM_CPU_OMP_THREADS_BIND's form: "0-3,8"): the first `cores()` of
-    this process's affinity. Binding CPUs outside the affinity fails, and more threads than a quota's cores only
-    contend."""
-    ids = sorted(os.sched_getaffinity(0))[:cores(root)] if hasattr(os, "sched_getaffinity") else \
-        list(range(os.cpu_count() or 1))
+def cpu_list():
+    """The CPUs vLLM-CPU's OpenMP threads bind to (VLLM_CPU_OMP_THREADS_BIND's form: "0-3,8"): this process's
+    affinity (a `taskset` to CPUs 2-3 was bound to 0-1, outside it). Not cut to a container's
+    quota: a quota limits time, not which CPUs, and pinning every such container to the host's first CPUs would pile
+    them onto the same cores (docs/STAGES.md: set the variable under a quota)."""
+    ids = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     spans = []  # [first, last] of each run of consecutive ids
     for i in ids:
         if spans and i == spans[-1][1] + 1:

@@ -1,7 +1,7 @@
 """The devices and the vLLM engine, as stages 01 (--regenerate), 02 and 05 use them.
 
-- `cpu_vllm_env()`: vLLM-CPU's settings on a machine without GPUs: every core this process may use (its
-  affinity, within a container's CPU quota) for the worker, none reserved for
+- `cpu_vllm_env()`: vLLM-CPU's settings on a machine without GPUs: every CPU of this process's affinity for the
+  worker, none reserved for
   busy polling (by default vLLM reserves one, two with a KV connector, leaving a 2-core machine's worker one or none),
   a 2 GiB KV cache unless `cpu_kv_cache_bytes` sizes it: vLLM-CPU fills its whole cache before the engine answers
   (about 17 s for 2 GiB on a 2-core CPU), while stage 05 at batch 1 needs a few MiB of it.

@@ -39,6 +39,14 @@ def test_a_cgroup_cpu_quota_bounds_the_cores_in_v1_and_v2(tmp_path):
           "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "50000\n",
           "sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"}
     assert compute.cgroup_cpus(_tree(tmp_path / "v1", v1)) == 1
+    ancestor = {"proc/self/cgroup": "0::/user.slice/job.slice/run.scope\n",  # the quota on a parent slice
+                "sys/fs/cgroup/user.slice/job.slice/cpu.max": "400000 100000\n",
+                "sys/fs/cgroup/user.slice/job.slice/run.scope/cpu.max": "max 100000\n"}
+    assert compute.cgroup_cpus(_tree(tmp_path / "anc", ancestor)) == 4
+    named = {"proc/self/cgroup": "3:cpuset,cpu,cpuacct:/k8s/pod\n",  # a v1 mount named for all its controllers
+             "sys/fs/cgroup/cpuset,cpu,cpuacct/k8s/pod/cpu.cfs_quota_us": "250000\n",
+             "sys/fs/cgroup/cpuset,cpu,cpuacct/k8s/pod/cpu.cfs_period_us": "100000\n"}
+    assert compute.cgroup_cpus(_tree(tmp_path / "named", named)) == 3
     unlimited = {"proc/self/cgroup": "1:cpu:/\n", "sys/fs/cgroup/cpu/cpu.cfs_quota_us": "-1\n",
                  "sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000\n"}
     assert compute.cgroup_cpus(_tree(tmp_path / "none", unlimited)) is None
