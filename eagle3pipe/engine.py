@@ -1,8 +1,8 @@
 """The devices and the vLLM engine, as stages 01 (--regenerate), 02 and 05 use them.
 
 - `cpu_vllm_env()`: vLLM-CPU's settings on a machine without GPUs: every CPU of this process's affinity for the
-  worker, none reserved for
-  busy polling (by default vLLM reserves one, two with a KV connector, leaving a 2-core machine's worker one or none),
+  worker, none reserved for busy polling (by default vLLM reserves one, two with a KV connector, leaving a 2-core
+  machine's worker one or none),
   a 2 GiB KV cache unless `cpu_kv_cache_bytes` sizes it: vLLM-CPU fills its whole cache before the engine answers
   (about 17 s for 2 GiB on a 2-core CPU), while stage 05 at batch 1 needs a few MiB of it.
 - `make_llm(...)`: a `vllm.LLM` with the settings every stage shares (the compute dtype of compute.py; eager on CPU,
