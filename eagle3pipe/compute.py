@@ -194,9 +194,14 @@ def muon_flops_per_step(named_params, ns_steps=5):
     return total
 
 
+def _affinity():
+    """[CPU ids] this process may run on (a `taskset` narrows them)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def cores(root="/"):
     """The CPU cores this process may use: its affinity, within a cgroup's CPU quota (a container's) where set."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = len(_affinity())
     quota = cgroup_cpus(root)
     return n if quota is None else min(n, quota)
 
@@ -254,9 +259,8 @@ def cpu_list():
     affinity (a `taskset` to CPUs 2-3 was bound to 0-1, outside it). Not cut to a container's
     quota: a quota limits time, not which CPUs, and pinning every such container to the host's first CPUs would pile
     them onto the same cores (docs/STAGES.md: set the variable under a quota)."""
-    ids = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     spans = []  # [first, last] of each run of consecutive ids
-    for i in ids:
+    for i in _affinity():
         if spans and i == spans[-1][1] + 1:
             spans[-1][1] = i
         else:

@@ -9,7 +9,8 @@ import json
 import os
 import random
 
-from . import cli, compute, conversations, faults, files, messages as chat, outdir, regenerate, tokenize_workers, verifier
+from . import (cli, compute, conversations, faults, files, messages as chat, outdir, regenerate, tokenize_workers,
+               verifier)
 
 
 def check(args):

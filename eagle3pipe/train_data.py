@@ -98,8 +98,8 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
         return prep, states, voc, rows, set()
     n_states, hidden, failed = len(states.layer_ids), states.hidden_size, set(states.failed)
     if rows.digest != prep["content_id"]:
-        changed = next((i for i, (ids, _) in enumerate(rows) if i not in failed and not same_ids(_stored_ids(args, i), ids)),
-                       None)
+        changed = next((i for i, (ids, _) in enumerate(rows)
+                        if i not in failed and not same_ids(_stored_ids(args, i), ids)), None)
         where = (f"row {changed} (line {changed + 1}) differs from the tokens stage 02 extracted into "
                  f"hs_{changed}.safetensors" if changed is not None else "its hash is not the manifest's content_id")
         raise UsageError(f"--prepared-data {args.prepared_data}: tokenized_data.jsonl was edited after stage 01 wrote "
@@ -116,7 +116,9 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
 
         def verify(i):
             reason = verify_crc(hs_path(args.hidden_states, i))
-            return reason or (None if same_ids(_stored_ids(args, i), rows[i][0]) else "token_ids differ from the prepared row")
+            if reason:
+                return reason
+            return None if same_ids(_stored_ids(args, i), rows[i][0]) else "token_ids differ from the prepared row"
         todo = [i for i in range(len(rows)) if i not in failed]
         with ThreadPoolExecutor(min(16, 2 * (os.cpu_count() or 1))) as ex:
             bad = [(i, r) for i, r in zip(todo, ex.map(verify, todo)) if r]

@@ -7,8 +7,7 @@ import logging
 import os
 import shutil
 
-from . import files
-from . import compute
+from . import compute, files
 from .compute import available_ram
 from .errors import UsageError
 
