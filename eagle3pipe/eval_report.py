@@ -10,7 +10,9 @@ def build(args, plan, sizes, base, spec, ranking, measured):
     best = ranking[0]["draft"]
     diffs = spec[1].pop("divergences")
     return {
-        "draft": os.path.realpath(best), "ranking": ranking if len(plan.drafts) > 1 else None,
+        "draft": os.path.realpath(best),
+        "ranking": [{**r, "speedup": round(r["tokens_per_s"] / base[1]["tokens_per_s"], 3)} for r in ranking]
+        if len(plan.drafts) > 1 else None,
         "trainer_vs_vllm": reconcile(best, spec[1]), "config_mismatches": plan.mismatches,
         "measure_vs_vllm": measured,
         # batch 1, as the ranking and the measure: a larger batch's bf16 outputs depend on the batch's shape
@@ -46,13 +48,20 @@ def print_table(args, report):
           f"{os.path.join(args.output_dir, 'report.json')}")
 
 
+def _cost(row):
+    """A ranked checkpoint's speed-up and the time of one round (k draft steps and one verification) at batch 1."""
+    per_round = row["seconds_per_round"]
+    return f"{row['speedup']:.2f}x" + (f", {per_round * 1000:.1f} ms a round" if per_round else "")
+
+
 def summary(report):
     """The lines stage 05 prints under its table: the ranking of several checkpoints, and the trainer's estimate
     beside vLLM's measurement."""
     lines = []
     if report.get("ranking"):
         lines.append("checkpoints by acceptance length through vLLM (batch 1): " + ", ".join(
-            f"{r['name']} {r['acceptance_length']}" + (f" (trainer {r['trainer']:.2f})" if r["trainer"] else "")
+            f"{r['name']} {r['acceptance_length']} ({_cost(r)}" + (f"; trainer {r['trainer']:.2f})" if r["trainer"]
+                                                                  else ")")
             for r in report["ranking"]) + f"; best: {report['draft']}")
     rec = report.get("trainer_vs_vllm") or {}
     if rec.get("trainer") is not None:

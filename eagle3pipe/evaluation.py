@@ -85,14 +85,19 @@ def drafts_to_measure(drafts, fp, text_cfg, tp=1, k=None):
 
 def rank(found, run):
     """Each checkpoint measured on the same prompts (`run(path)` -> its figures by batch size), best first by the
-    acceptance length at batch size 1. -> ([{"name", "draft", "acceptance_length", "per_position", "trainer"}],
-    the best one's figures)."""
+    acceptance length at batch size 1. -> ([{"name", "draft", "acceptance_length", "per_position", "trainer",
+    "tokens_per_s", "seconds_per_round"}], the best one's figures). At batch size 1 each proposal is one round
+    (k draft steps and one verification), so the time a round takes is what a checkpoint costs, whatever it
+    accepts: a deeper draft's cost beside its acceptance, from the same run."""
     from .checkpoints import expected_acceptance
     rows, figures = [], {}
     for name, path in found:
         figures[name] = got = run(os.path.abspath(path))
-        rows.append({"name": name, "draft": os.path.realpath(path), "acceptance_length": got[1]["acceptance_length"],
-                     "per_position": got[1]["per_position"], "trainer": expected_acceptance(_val_metrics(path))})
+        one = got[1]
+        rows.append({"name": name, "draft": os.path.realpath(path), "acceptance_length": one["acceptance_length"],
+                     "per_position": one["per_position"], "trainer": expected_acceptance(_val_metrics(path)),
+                     "tokens_per_s": one["tokens_per_s"],
+                     "seconds_per_round": round(one["seconds"] / one["drafts"], 5) if one["drafts"] else None})
     rows.sort(key=lambda r: -(r["acceptance_length"] or 0))
     return rows, figures[rows[0]["name"]]
 

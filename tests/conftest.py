@@ -446,6 +446,9 @@ def assert_stage05_report(ev, p, rep, engines, prompts=6, k=3):
     ours = rep["measure_vs_vllm"]
     assert ours["vllm"] == s["acceptance_length"] and abs(ours["drafts"] - s["drafts"]) <= 0.02 * s["drafts"], ours
     assert "acceptance length without vLLM" in p.stdout
+    for row in rep["ranking"] or []:  # each checkpoint's cost from its own engine, beside the same baseline
+        assert row["speedup"] == round(row["tokens_per_s"] / rep["baseline"]["1"]["tokens_per_s"], 3), row
+        assert row["seconds_per_round"] > 0 and f"{row['speedup']:.2f}x, " in p.stdout, row
     for row in rep["ranking"] or [{**s, "measure": ours}]:  # one checkpoint: no ranking, its measure is the report's
         got = row["measure"]
         assert got["drafts"] > 0 and abs(got["acceptance_length"] - row["acceptance_length"]) <= MEASURE_LENGTH, row

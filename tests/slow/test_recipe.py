@@ -57,5 +57,6 @@ def test_every_lever_trains_and_stage05_ranks_the_checkpoints_through_vllm(model
     assert rep["draft"] == ranking[0]["draft"] == os.path.realpath(
         {"recipe/0": out / "0", "recipe/1": out / "1"}.get(ranking[0]["name"], session))
     assert all(r["trainer"] and r["trainer"] > 1 for r in ranking)  # each epoch's validation estimate
-    assert "checkpoints by acceptance length through vLLM" in p.stdout
+    assert "checkpoints by acceptance length through vLLM" in p.stdout and " ms a round" in p.stdout
+    assert ranking[0]["tokens_per_s"] == rep["speculative"]["1"]["tokens_per_s"]  # the best one's run is the report's
     assert_stage05_report(ev, p, rep, engines=4)  # the baseline and three checkpoints
