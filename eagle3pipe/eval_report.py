@@ -48,10 +48,13 @@ def print_table(args, report):
           f"{os.path.join(args.output_dir, 'report.json')}")
 
 
-def _cost(row):
-    """A ranked checkpoint's speed-up and the time of one round (k draft steps and one verification) at batch 1."""
-    per_round = row["seconds_per_round"]
-    return f"{row['speedup']:.2f}x" + (f", {per_round * 1000:.1f} ms a round" if per_round else "")
+def _ranked(row):
+    """One ranked checkpoint: its acceptance, speed-up and the time of one round (k draft steps and one
+    verification) at batch 1, and the trainer's estimate where its run recorded one."""
+    per_round, trainer = row["seconds_per_round"], row["trainer"]
+    return (f"{row['name']} {row['acceptance_length']} ({row['speedup']:.2f}x"
+            + (f", {per_round * 1000:.1f} ms a round" if per_round else "")
+            + (f"; trainer {trainer:.2f})" if trainer else ")"))
 
 
 def summary(report):
@@ -59,10 +62,8 @@ def summary(report):
     beside vLLM's measurement."""
     lines = []
     if report.get("ranking"):
-        lines.append("checkpoints by acceptance length through vLLM (batch 1): " + ", ".join(
-            f"{r['name']} {r['acceptance_length']} ({_cost(r)}" + (f"; trainer {r['trainer']:.2f})" if r["trainer"]
-                                                                  else ")")
-            for r in report["ranking"]) + f"; best: {report['draft']}")
+        lines.append("checkpoints by acceptance length through vLLM (batch 1): "
+                     + ", ".join(_ranked(r) for r in report["ranking"]) + f"; best: {report['draft']}")
     rec = report.get("trainer_vs_vllm") or {}
     if rec.get("trainer") is not None:
         pos = " ".join(f"{t:.2f}/{v:.2f}" for t, v in rec.get("per_position", []))
