@@ -5,9 +5,10 @@
 #   NUM_SAMPLES=2000 EPOCHS=3 bash scripts/quickstart.sh   # exactly these, however long they take
 #   bash scripts/quickstart.sh --dry-run             # what it would do on this machine; nothing installed or run
 # With an NVIDIA GPU (nvidia-smi lists one) it trains on all the package's conversations but the last 1,000 (kept
-# for stage 05's 100 held-out prompts), 3 epochs, hidden states stored in fp8 (about 55 GB of disk), with the recipe
-# docs/RECIPE.md measured best at that size (a 32,768-token draft vocabulary, two draft layers), and says so before
-# it starts; NUM_SAMPLES / EPOCHS / NUM_PROMPTS still choose.
+# for stage 05's 100 held-out prompts), hidden states stored in fp8 (about 55 GB of disk), with the recipe
+# docs/RECIPE.md measured best at that size (a 32,768-token draft vocabulary, two draft layers; 8 epochs at 32,768
+# tokens a step on a GPU of 40 GB or more, else 3 at 8,192), and says so before it starts; NUM_SAMPLES / EPOCHS /
+# NUM_PROMPTS still choose.
 # Before the run it measures this machine (one forward of the verifier, ~10 s) and prints what each stage will
 # take. On a slow CPU it trains on fewer conversations so the run fits BUDGET_MIN minutes (default 24, for stages
 # 02-05), and says so; NUM_SAMPLES fixes the number. Every stage computes in the dtype that is fast here (bf16
@@ -36,17 +37,22 @@ PY=.venv/bin/python
 CFG=configs/smollm2-135m.yaml
 MODEL=data/models/smollm2-135m-instruct
 # what the user set stays apart from each machine's defaults (one variable for both once gave a GPU 1 epoch, not 3)
-GPU=0; STATES=(); DRAFT_VOCAB=8192; LAYERS=(); TOKENS=(); EPOCHS_RUN=${EPOCHS:-1}; PROMPTS=${NUM_PROMPTS:-8}
+GPU=0; STATES=(); DRAFT_VOCAB=8192; LAYERS=(); TOKENS=""; EPOCHS_RUN=${EPOCHS:-1}; PROMPTS=${NUM_PROMPTS:-8}
 if command -v nvidia-smi >/dev/null 2>&1 && timeout 10 nvidia-smi -L >/dev/null 2>&1; then
   # at all the conversations a 32,768-token vocabulary and a second layer each add acceptance (docs/RECIPE.md); at
-  # the CPU's few hundred the config's 8,192 and one layer stay
-  # and 8,192 tokens a step, as the study trained it (the config's 2,048 leaves the GPU waiting on launches)
-  GPU=1; STATES=(--storage-dtype fp8); DRAFT_VOCAB=32768; LAYERS=(--num-layers 2); TOKENS=(--total-seq-len 8192)
-  EPOCHS_RUN=${EPOCHS:-3}; PROMPTS=${NUM_PROMPTS:-100}
-  echo "quickstart: an NVIDIA GPU: training on ${NUM_SAMPLES:-all but the last 1,000 of the package} ShareGPT" \
-       "conversations (the last 1,000 kept for the evaluation), $EPOCHS_RUN epochs, a two-layer draft with a" \
-       "32,768-token vocabulary, 8,192 tokens a step, hidden states in fp8 (about 55 GB of disk for all of them);" \
-       "on a CPU the quickstart fits ~25 minutes instead"
+  # the CPU's few hundred the config's 8,192 and one layer stay. Tokens a step and epochs follow the GPU's memory:
+  # 8 epochs at 32,768 tokens a step (the best measured, about 21 GiB in training) on a GPU of 40 GB or more; else
+  # 3 at 8,192 (a quarter of that memory). The smallest GPU listed decides; one nvidia-smi cannot read, the smaller.
+  GPU=1; STATES=(--storage-dtype fp8); DRAFT_VOCAB=32768; LAYERS=(--num-layers 2); PROMPTS=${NUM_PROMPTS:-100}
+  mib=$(timeout 10 nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sort -n | head -1) \
+    || mib=""
+  if [[ $mib =~ ^[0-9]+$ ]]; then mem="$mib MiB"; else mem="its memory unread"; mib=0; fi
+  if [ "$mib" -ge 38000 ]; then TOKENS=32768; EPOCHS_RUN=${EPOCHS:-8}
+  else TOKENS=8192; EPOCHS_RUN=${EPOCHS:-3}; mem="$mem: under the 40 GB for 32,768 tokens a step"; fi
+  echo "quickstart: an NVIDIA GPU ($mem): training on ${NUM_SAMPLES:-all but the last 1,000 of the package}" \
+       "ShareGPT conversations (the last 1,000 kept for the evaluation), $EPOCHS_RUN epochs, a two-layer draft with" \
+       "a 32,768-token vocabulary, ${TOKENS%???},${TOKENS: -3} tokens a step, hidden states in fp8 (about 55 GB of" \
+       "disk for all of them); on a CPU the quickstart fits ~25 minutes instead"
 else
   fits="fewer where this CPU cannot run them in ${BUDGET_MIN:-24} minutes"
   [ -n "${NUM_SAMPLES:-}" ] && fits="exactly these, however long they take"
@@ -88,7 +94,7 @@ run $PY 02_extract_hidden_states.py --config $CFG ${STATES[@]+"${STATES[@]}"}; s
 run $PY 03_build_vocab_mapping.py --config $CFG --draft-vocab-size $DRAFT_VOCAB --output-dir $VOCAB
 stamp "03 vocab map"
 run $PY 04_train.py --config $CFG --epochs "$EPOCHS_RUN" --vocab-mapping $VOCAB ${LAYERS[@]+"${LAYERS[@]}"} \
-    ${TOKENS[@]+"${TOKENS[@]}"}
+    ${TOKENS:+--total-seq-len "$TOKENS"}
 stamp "04 train"
 run $PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "$PROMPTS" \
     --max-new-tokens 64 --batch-sizes 1,4;                       stamp "05 evaluate"

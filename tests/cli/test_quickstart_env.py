@@ -45,20 +45,39 @@ def _checkout(tmp_path, *scripts):
 
 
 def _nvidia_smi(tmp_path, gpu):
-    """A machine with or without an NVIDIA GPU, as nvidia-smi tells it (the only thing the scripts ask)."""
-    bin_ = tmp_path / ("gpu-bin" if gpu else "cpu-bin")
+    """A machine with or without an NVIDIA GPU, as nvidia-smi tells it (the only thing the scripts ask): gpu is None
+    (no GPU), or each GPU's memory in MiB as `--query-gpu=memory.total` prints it ('' where that query fails)."""
+    bin_ = tmp_path / ("gpu-bin" if gpu is not None else "cpu-bin")
     bin_.mkdir()
-    (bin_ / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n" if gpu else "#!/bin/sh\nexit 9\n")
+    script = "#!/bin/sh\nexit 9\n"
+    if gpu is not None:
+        memory = f"printf '{gpu}\\n'; exit 0" if gpu else "exit 9"
+        script = (f"#!/bin/sh\ncase \"$*\" in *memory.total*) {memory};; esac\n"
+                  "echo 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n")
+    (bin_ / "nvidia-smi").write_text(script)
     (bin_ / "nvidia-smi").chmod(0o755)
     return f"{bin_}:{os.environ['PATH']}"
 
 
+H200, RTX4090 = "143771", "24564"
+
+
 @pytest.mark.parametrize("gpu,env,says", [
-    (True, {}, "3 epochs, a two-layer draft with a 32,768-token vocabulary"),   # the GPU recipe's own epochs
-    (True, {"EPOCHS": "5"}, "5 epochs"),                                          # the user's, on a GPU
-    (True, {"NUM_SAMPLES": "2000"}, "training on 2000 ShareGPT"),
-    (False, {}, "up to 300 ShareGPT conversations (fewer where this CPU cannot run them in 24 minutes), 1 epoch(s)"),
-    (False, {"EPOCHS": "2", "NUM_SAMPLES": "50"}, "50 ShareGPT conversations (exactly these, however long they take), 2"),
+    # the GPU recipe's own epochs and step: the best measured where the memory holds it, else the smaller
+    (H200, {}, "(143771 MiB): training on all but the last 1,000 of the package ShareGPT conversations (the last "
+               "1,000 kept for the evaluation), 8 epochs, a two-layer draft with a 32,768-token vocabulary, 32,768 "
+               "tokens a step"),
+    (f"{H200}\\n{RTX4090}", {}, "(24564 MiB: under the 40 GB for 32,768 tokens a step): training on all but the "
+                                "last 1,000 of the package ShareGPT conversations (the last 1,000 kept for the "
+                                "evaluation), 3 epochs, a two-layer draft with a 32,768-token vocabulary, 8,192 "
+                                "tokens a step"),  # the smallest GPU decides
+    ("", {}, "(its memory unread: under the 40 GB for 32,768 tokens a step): training on all but the last 1,000 of "
+             "the package ShareGPT conversations (the last 1,000 kept for the evaluation), 3 epochs"),
+    (H200, {"EPOCHS": "5"}, ", 5 epochs, a two-layer draft"),                    # the user's, on a GPU
+    (RTX4090, {"EPOCHS": "5"}, ", 5 epochs, a two-layer draft"),
+    (H200, {"NUM_SAMPLES": "2000"}, "training on 2000 ShareGPT"),
+    (None, {}, "up to 300 ShareGPT conversations (fewer where this CPU cannot run them in 24 minutes), 1 epoch(s)"),
+    (None, {"EPOCHS": "2", "NUM_SAMPLES": "50"}, "50 ShareGPT conversations (exactly these, however long they take), 2"),
 ])
 def test_the_dry_run_says_what_runs_on_this_machine_and_runs_nothing(gpu, env, says, tmp_path):
     # a GPU once trained 1 epoch, not the 3 the quickstart announced: the CPU's default leaked into the GPU's
