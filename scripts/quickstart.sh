@@ -41,9 +41,9 @@ GPU=0; STATES=(); DRAFT_VOCAB=8192; LAYERS=(); TOKENS=""; EPOCHS_RUN=${EPOCHS:-1
 if command -v nvidia-smi >/dev/null 2>&1 && timeout 10 nvidia-smi -L >/dev/null 2>&1; then
   # at all the conversations a 32,768-token vocabulary and a second layer each add acceptance (docs/RECIPE.md); at
   # the CPU's few hundred the config's 8,192 and one layer stay. Tokens a step and epochs follow the GPU's memory:
-  # 8 epochs at 32,768 tokens a step (the best measured, about 21 GiB in training) on a GPU of 40 GB or more; else
-  # 3 at 8,192 (activations a quarter as large). The smallest GPU listed decides; a memory nvidia-smi cannot read counts
-  # as too small.
+  # 8 epochs at 32,768 tokens a step (the best measured, about 21 GiB in training) on a GPU of 40 GB or more;
+  # else 3 at 8,192 (activations a quarter as large). The smallest GPU listed decides; a memory nvidia-smi cannot
+  # read counts as too small.
   GPU=1; STATES=(--storage-dtype fp8); DRAFT_VOCAB=32768; LAYERS=(--num-layers 2); PROMPTS=${NUM_PROMPTS:-100}
   mib=$(timeout 10 nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sort -n | head -1) \
     || mib=""
