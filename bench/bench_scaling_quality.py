@@ -448,12 +448,12 @@ STUDY = "300:10:0,300:10:1,1000:10:0,1000:10:1,3000:10:0:4096,3000:10:1:4096,100
 # the levers at all the data (docs/RECIPE.md): the 32,768-token vocabulary, then two and three draft layers on it;
 # then at 32,768 tokens a step: two and three layers, the whole vocabulary and 16,384 tokens; six and eight epochs;
 # the first study's two best levers through vLLM (a Qwen3-style layer, TTT loss decay 0.8); second seeds of the
-# baseline and the Qwen3-style layer
+# baseline, the Qwen3-style layer and eight epochs
 LEVERS = ("all:3:0:8192:v32768,all:3:1:8192:v32768,all:3:0:8192:v32768+L2,all:3:1:8192:v32768+L2,"
           "all:3:0:8192:v32768+L3,all:3:0:32768:v32768+L2,all:3:0:32768:v32768+L3,all:3:0:32768:v49152+L2,"
           "all:3:0:32768:v16384+L2,all:6:0:32768:v32768+L2+e6,all:8:0:32768:v32768+L2+e8,"
           "all:3:0:32768:v32768+L2+qwen3-layer,all:3:0:32768:v32768+L2+decay0.8,all:3:1:32768:v32768+L2,"
-          "all:3:1:32768:v32768+L2+qwen3-layer")
+          "all:3:1:32768:v32768+L2+qwen3-layer,all:8:1:32768:v32768+L2+e8")
 
 
 def study(w, states, parallel, plot):
