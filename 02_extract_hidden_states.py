@@ -58,8 +58,8 @@ def main():
     log = cli.setup_logging()
     plan = preflight.plan(args)
     print(preflight.format_plan(plan), flush=True)
-    # every row is read and checked before anything is written (the dry run, in seconds, trusts stage 01's manifest)
-    rows = None if args.dry_run else read_rows(
+    # every row is read and checked before anything is written, --dry-run included: it checks what the run checks
+    rows = read_rows(
         os.path.dirname(plan.jsonl), plan.rows, plan.verifier["vocab_size"], masks=False,
         longest=plan.prepared_manifest["counts"]["max_row_tokens"]).token_ids()
     preflight.check_unchanged("--prepared-data", plan.jsonl, plan.prepared_manifest)  # after the rows: a bad one named

@@ -133,8 +133,12 @@ class Verifier:
         from transformers import AutoModelForCausalLM
         from .backends import HFBackend
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
-                                                          trust_remote_code=trust_remote_code).to(device).eval()
+        from .verifier_weights import check_loaded
+        self.model, info = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                                trust_remote_code=trust_remote_code,
+                                                                output_loading_info=True)
+        check_loaded(info, path)  # never a verifier with a weight at random
+        self.model = self.model.to(device).eval()
         self.device, self.layer_ids, self.seen = device, list(layer_ids), {}
         layers = HFBackend._decoder_layers(self.model)
         n = len(layers)

@@ -119,6 +119,14 @@ PRIVATE = {
         ("transformers/modeling_utils.py", r"\bis_quantized\b", "PreTrainedModel.is_quantized"),
         # acceptance.py: a draft's layer config asks for sdpa (any device, any length) through use_sdpa
         ("transformers/configuration_utils.py", r"def _attn_implementation\(", "PretrainedConfig._attn_implementation"),
+        # verifier_weights.py: the tensors a verifier's checkpoint must hold, from the model's own definition
+        ("transformers/core_model_loading.py", r"\ndef revert_weight_conversion\(", "core_model_loading."
+                                                                                   "revert_weight_conversion"),
+        ("transformers/modeling_utils.py", r"self\.all_tied_weights_keys = ", "PreTrainedModel.all_tied_weights_keys"),
+        ("transformers/modeling_utils.py", r"_keys_to_ignore_on_load_unexpected\b",
+         "PreTrainedModel._keys_to_ignore_on_load_unexpected"),
+        ("transformers/modeling_utils.py", r"_keys_to_ignore_on_load_missing\b",
+         "PreTrainedModel._keys_to_ignore_on_load_missing"),
     ],
     "vllm": [  # cpu_connector.py subclasses the example connector and reads these of its instance
         *[("vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py", rf"\b{name}\b",

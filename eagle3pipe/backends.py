@@ -59,8 +59,12 @@ class HFBackend:
         self.device = device or ("cuda" if cuda else "cpu")
         # several GPUs: layers spread over them; one: loaded straight onto it (not through host memory)
         spread = self.device == "cuda" and torch.cuda.device_count() > 1
-        self.model = AutoModel.from_pretrained(model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
-                                               device_map="auto" if spread else {"": self.device}).eval()
+        from .verifier_weights import check_loaded
+        self.model, info = AutoModel.from_pretrained(model_path, dtype=getattr(torch, dtype),
+                                                     trust_remote_code=trust_remote_code, output_loading_info=True,
+                                                     device_map="auto" if spread else {"": self.device})
+        check_loaded(info, model_path)  # a weight transformers filled at random: the stage stops (verify() ran first)
+        self.model.eval()
         layers = self._decoder_layers(self.model)
         n = len(layers)
         self.layer_ids, self.captured = layer_ids, {}

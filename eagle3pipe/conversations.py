@@ -18,6 +18,12 @@ import stat
 
 from .errors import UsageError
 
+
+class ArrowRecord(dict):
+    """A record read through Arrow (a parquet file, a hub dataset): each object of a column carries every key any of
+    them has, null where the record had none, so a null there is an absent key (messages.py drops it from tool-call
+    arguments). A JSON record's null is the record's own, and is kept."""
+
 EXTENSIONS = (".jsonl", ".json", ".parquet")
 SHAREGPT = "sharegpt"
 
@@ -142,7 +148,7 @@ def _iter_file(path, flag="--dataset"):
         try:  # in batches: --num-samples N reads N records' worth, not a whole file into memory
             for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
                 for rec in batch.to_pylist():
-                    yield f"{path}: record {i}", rec
+                    yield f"{path}: record {i}", ArrowRecord(rec) if isinstance(rec, dict) else rec
                     i += 1
         except Exception as e:  # the file's own fault, where it is read (a cut file fails at its broken part)
             raise UsageError(f"{path}: cannot read parquet{f' at record {i}' if i else ''} "
@@ -257,4 +263,4 @@ def _iter_hub(dataset, split, flag="--dataset"):
         raise UsageError(f"{flag} {dataset}: could not load from the hub ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})")
     for i, rec in enumerate(iterate(ds, hub_seconds(), what)):  # a stream that stalls mid-way is bounded too
-        yield f"{dataset}[{split}] record {i}", rec
+        yield f"{dataset}[{split}] record {i}", ArrowRecord(rec) if isinstance(rec, dict) else rec

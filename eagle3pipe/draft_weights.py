@@ -9,105 +9,24 @@ import json
 import math
 import os
 import re
-import struct
 import sys
 from array import array
 
+from . import weight_files
 from .errors import UsageError
+from .weight_files import ST_BYTES, Bad
 
 MAX_HEADER = 8 * 2**20  # a draft's header is a few KB a layer; past this it is not a draft's
-ST_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-            "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 FLOATS = ("BF16", "F16", "F32")
 RERUN = "rerun 04_train.py"
 
 
-class Bad(Exception):
-    """A file of the draft that is not what its config says: `name` (its path in the draft folder): why."""
-
-    def __init__(self, name, why):
-        super().__init__(f"{name}: {why}")
-
-
-def _int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def read_header(path, shown):
-    """-> {tensor: (dtype, shape, file offset, path, shown)}; `shown`: how refusals name the file."""
-    from .files import open_input
-    with open_input(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size < 8:
-            raise Bad(shown, f"{size} bytes: empty or cut short, not a safetensors file")
-        n = struct.unpack("<Q", fh.read(8))[0]
-        if not 2 <= n <= min(MAX_HEADER, size - 8):
-            raise Bad(shown, f"its header length field says {n} bytes, the file holds {size} (a draft's header is at "
-                             f"most {MAX_HEADER}): not a safetensors file (random bytes, or cut short)")
-        raw = fh.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError):
-        raise Bad(shown, "its header is not JSON: not a safetensors file (random bytes, or cut short)")
-    if not isinstance(header, dict):
-        raise Bad(shown, f"its header is a JSON {type(header).__name__}, not a table of tensors")
-    tensors, spans = {}, []
-    meta = header.get("__metadata__", {})
-    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):  # safetensors' own rule
-        raise Bad(shown, f"its __metadata__ is not a table of strings ({json.dumps(meta)[:60]})")
-    for key, t in header.items():
-        if key == "__metadata__":
-            continue
-        if not (isinstance(t, dict) and t.get("dtype") in ST_BYTES and isinstance(t.get("shape"), list)
-                and all(_int(d) and d >= 0 for d in t["shape"]) and isinstance(t.get("data_offsets"), list)
-                and len(t["data_offsets"]) == 2 and all(_int(o) for o in t["data_offsets"])):
-            raise Bad(shown, f"tensor {key}: its header entry is not a dtype, a shape and two offsets "
-                             f"({json.dumps(t)[:80]})")
-        begin, end = t["data_offsets"]
-        want = math.prod(t["shape"]) * ST_BYTES[t["dtype"]]
-        if end - begin != want:
-            raise Bad(shown, f"tensor {key}: its offsets [{begin}, {end}) hold {end - begin} bytes, its shape "
-                             f"{t['shape']} in {t['dtype']} needs {want}: the header lies about its offsets")
-        tensors[key] = (t["dtype"], t["shape"], 8 + n + begin, path, shown)
-        spans.append((begin, end, key))
-    at, data = 0, size - 8 - n
-    for begin, end, key in sorted(spans):
-        if begin != at:
-            raise Bad(shown, f"tensor {key}: starts at data byte {begin}, the tensors before it end at {at}: the "
-                             f"header's offsets overlap or leave a gap")
-        at = end
-    if at != data:
-        raise Bad(shown, f"its tensors end at data byte {at}, the file holds {data} data bytes: "
-                         + ("cut short" if at > data else "bytes after the last tensor"))
-    return tensors
+    return weight_files.read_header(path, shown, MAX_HEADER, "a draft's")
 
 
 def read_weights(draft):
-    """The tensors of a draft's model.safetensors, or of the shards its model.safetensors.index.json names."""
-    from .files import read_json
-    single, index = os.path.join(draft, "model.safetensors"), os.path.join(draft, "model.safetensors.index.json")
-    if os.path.lexists(single):
-        return read_header(single, "model.safetensors")
-    if not os.path.lexists(index):
-        raise Bad("model.safetensors", "missing (no weights in the folder, and no model.safetensors.index.json)")
-    try:
-        wmap = read_json(index)
-    except UsageError as e:
-        raise Bad("model.safetensors.index.json", str(e).replace(f"{index}: ", "", 1))
-    wmap = wmap.get("weight_map") if isinstance(wmap, dict) else None
-    if not (isinstance(wmap, dict) and wmap and all(isinstance(v, str) for v in wmap.values())):
-        raise Bad("model.safetensors.index.json", "its weight_map is not a table of tensor -> file")
-    out = {}
-    for shard in sorted(set(wmap.values())):
-        if os.path.basename(shard) != shard or not shard.endswith(".safetensors"):
-            raise Bad("model.safetensors.index.json", f"names {shard!r}, not a .safetensors file beside it")
-        if not os.path.lexists(os.path.join(draft, shard)):
-            raise Bad(shard, "missing (model.safetensors.index.json names it)")
-        out.update(read_header(os.path.join(draft, shard), shard))
-    lost = sorted(k for k, f in wmap.items() if k not in out or out[k][4] != f)
-    if lost:
-        raise Bad("model.safetensors.index.json", f"tensor {lost[0]} is not in {wmap[lost[0]]}")
-    return out
+    return weight_files.read_weights(draft, MAX_HEADER, "a draft's")
 
 
 def expected_shapes(cfg, summary, text_cfg):

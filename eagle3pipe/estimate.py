@@ -53,7 +53,10 @@ def measure(model_path, rows, requested="auto", seconds=3.0):
     from transformers import AutoModel
     transformers.utils.logging.disable_progress_bar()  # the estimate's lines are the only ones the reader needs
     torch.manual_seed(0)
-    model = AutoModel.from_pretrained(model_path, dtype=c.torch()).eval()
+    from .verifier_weights import check_loaded
+    model, info = AutoModel.from_pretrained(model_path, dtype=c.torch(), output_loading_info=True)
+    check_loaded(info, model_path)
+    model.eval()
     ids = torch.tensor([max(rows, key=len)[:1024]])
     n = 0
     with torch.inference_mode():

@@ -54,7 +54,10 @@ def plan(args):
     wheres, seen, tools = [], {}, []
     prepared = args.prepared_data if os.path.isdir(args.prepared_data) else heldout.recorded_prepared(drafts)
     prompts = heldout.select_prompts(args, skip, wheres, heldout.trained_ids(prepared), seen, tools)
-    # the one check that needs the tokenizer (transformers), after every cheap one and before the folder is taken
+    # the checks that need transformers, after every cheap one and before the folder is taken: the verifier's weights
+    # against the model its config defines, then the prompts' tokens
+    from .verifier_weights import verify
+    verify(args.model_path, args.trust_remote_code)  # said once the folder is taken (announce, dry_run)
     from .masks import PromptTooLong, load_tokenizer, prompt_ids
     tok = load_tokenizer(args.model_path, args.trust_remote_code)
     maxpos, ids = fp.get("max_position_embeddings"), []
@@ -78,6 +81,8 @@ def plan(args):
 
 def dry_run(args, p):
     """What the run would do, every warning included; nothing loaded or written."""
+    from .verifier_weights import say
+    say(args.model_path, args.trust_remote_code)
     for warning in p.warnings:
         log.warning(warning)
     print(f"dry run: {len(p.drafts)} checkpoint(s) checked ({', '.join(n for n, _ in p.drafts)}); {len(p.prompts)} "
@@ -88,6 +93,8 @@ def dry_run(args, p):
 
 def announce(args, p):
     """The run's first lines, once the folder is taken."""
+    from .verifier_weights import say
+    say(args.model_path, args.trust_remote_code)
     log.info(p.dtype.describe())
     for warning in [p.dtype.warning] + p.warnings:
         if warning:

@@ -6,6 +6,7 @@ import time
 
 from . import faults, files, locks, outdir, verifier
 from .spool import clear_spool
+from .verifier_weights import verify
 from .errors import UsageError
 
 log = logging.getLogger("eagle3")
@@ -49,6 +50,11 @@ def prepare_output(args, plan):
         raise UsageError(f"--output-dir {out}: no extraction to verify here (--verify checks the files a stage 02 "
                          f"run wrote); run without --verify")
     inputs = [("--model-path", args.model_path), ("--prepared-data", args.prepared_data)]
+    files.take_output("--output-dir", out, "extract", identity, inputs, "hidden states", args.shard, args.overwrite,
+                      dry_run=True)  # its refusals only: every light one before the check that imports transformers
+    weights = verify(args.model_path, args.trust_remote_code)  # the verifier's tensors against its config
+    if weights:
+        print(f"  weights: {weights}", flush=True)
     out, _ = files.take_output(
         "--output-dir", out, "extract", identity, inputs, "hidden states", args.shard, args.overwrite, args.dry_run,
         begin=not args.verify,  # the manifest comes back once every row is accounted for

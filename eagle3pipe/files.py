@@ -125,6 +125,8 @@ def _check_schema(path, m, stage, script):
             got = "missing" if value is KeyError else f"{type(value).__name__} {value!r}"[:60]
             raise UsageError(f"{path}: field '{key}' is {got}, expected "
                              f"{want.__name__ if isinstance(want, type) else 'a value'}; rerun {script}")
+        if want is int and obj is not m and value < 0:  # a count: a hand edit planned "-3 samples"
+            raise UsageError(f"{path}: field '{key}' is {value}, a count below 0; rerun {script}")
 
 
 def take_output(flag, path, stage, identity, inputs=(), what="files", shard=None, overwrite=False, dry_run=False,

@@ -67,12 +67,21 @@ def holder(folder, lock_name=LOCK):
             if fd is not None:
                 os.close(fd)
             text = _lock_text(os.path.join(folder, name))
+            if text and not _alive(text):  # a lock file copied with its folder names a process that is gone
+                text = ""
             if text and (not free or len(names) == 1):
                 held.append(quote(text))
             unnamed |= not free and not text
         if held or not unnamed or time.monotonic() >= deadline:
             return "; ".join(held) or UNNAMED
         time.sleep(0.02)
+
+
+def _alive(text):
+    """False for a holder line that names a process of this host that no longer runs (the text survives a copy of
+    the folder and a shared lock's later holders; the lock itself does not)."""
+    m = re.match(r"PID (\d+) on (\S+): ", text)
+    return m is None or m.group(2) != socket.gethostname() or pid_alive(int(m.group(1)))
 
 
 def try_lock(folder, name, mode, create):

@@ -8,7 +8,7 @@ role, a malformed call, text that is not valid Unicode) is a UsageError naming w
 """
 import json
 
-from .conversations import first_words
+from .conversations import ArrowRecord, first_words
 from .errors import UsageError
 
 ROLES = {
@@ -48,16 +48,23 @@ def _parsed(text, where, what):
     if not text.strip():
         return None
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant)
     except RecursionError:
         raise UsageError(f"{where}: {what} are nested too deep")
     except ValueError as e:
         raise UsageError(f"{where}: {what} are not valid JSON ({first_words(e)})")
 
 
-def _json_object(value, where, what, text=True):
+def _no_constant(name):
+    """NaN, Infinity, -Infinity: Python's json reads them, JSON has no such numbers, and a template would write them
+    into a call no tool parses."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _json_object(value, where, what, text=True, arrow=False):
     """A JSON object given as one (a dict) or, with `text`, as its JSON text (OpenAI's wire format) -> dict; '' and
-    null -> {}. An object given as one loses its null keys (_without_nulls); one given as text keeps them."""
+    null -> {}. Nulls are kept as the record wrote them, except in an object read through Arrow (`arrow`:
+    conversations.ArrowRecord), whose null keys are absent ones (_without_nulls). NaN or an infinity is refused."""
     given = value
     if isinstance(value, str) and text:
         value = _parsed(value, where, what)
@@ -65,13 +72,13 @@ def _json_object(value, where, what, text=True):
         return {}
     if not isinstance(value, dict):
         raise UsageError(f"{where}: {what} must be a JSON object, got {type(value).__name__}")
-    try:  # a lone surrogate inside, as in any text of the record
-        _text(json.dumps(value, ensure_ascii=False), where, what)
+    try:  # a lone surrogate inside, as in any text of the record; NaN (allow_nan) as JSON has none
+        _text(json.dumps(value, ensure_ascii=False, allow_nan=False), where, what)
     except RecursionError:
         raise UsageError(f"{where}: {what} are nested too deep")
     except (TypeError, ValueError) as e:  # a parquet timestamp, bytes, NaN...
         raise UsageError(f"{where}: {what} cannot be written as JSON ({first_words(e)})")
-    return value if isinstance(given, str) else _without_nulls(value)
+    return _without_nulls(value) if arrow and not isinstance(given, str) else value
 
 
 def _without_nulls(value):
@@ -85,7 +92,7 @@ def _without_nulls(value):
     return value
 
 
-def _tool_calls(turn, where, j):
+def _tool_calls(turn, where, j, arrow=False):
     """An assistant message's tool calls as chat templates read them and as vLLM hands them to the template when it
     serves: [{"type": "function", "function": {"name", "arguments": {...}}}] ("id" kept where given), or None.
     Arguments given as JSON text are parsed into their object, as vLLM parses them: a template writes them with
@@ -113,7 +120,7 @@ def _tool_calls(turn, where, j):
         name = fn.get("name")
         if not isinstance(name, str) or not name.strip():
             raise UsageError(f"{where}: {what} has no function name")
-        args = _json_object(fn.get("arguments"), where, f"{what} ({name[:80]!r}) arguments")
+        args = _json_object(fn.get("arguments"), where, f"{what} ({name[:80]!r}) arguments", arrow=arrow)
         made = {"type": "function", "function": {"name": _text(name, where, f"{what} name"), "arguments": args}}
         if isinstance(call.get("id"), str):
             made["id"] = _text(call["id"], where, f"{what} id")
@@ -133,7 +140,8 @@ def record_tools(where, record):
     if not isinstance(tools, list):
         raise UsageError(f"{where}: 'tools' must be a list of tool definitions, got {type(tools).__name__}")
     # a null entry is an absent one (Arrow writes one for a shorter list); {} would be written as a tool
-    tools = [_json_object(t, where, f"'tools' entry {k}", text=False) for k, t in enumerate(tools) if t is not None]
+    tools = [_json_object(t, where, f"'tools' entry {k}", text=False, arrow=isinstance(record, ArrowRecord))
+             for k, t in enumerate(tools) if t is not None]
     return tools or None
 
 
@@ -180,7 +188,8 @@ def normalize(where, record, through_first_user=False):
                              f"(known: {', '.join(sorted(ROLES))})")
         content = _first(t, ckey, "content", "value")  # the other format's key too, as for the role
         role = ROLES[role.lower()]
-        calls = _tool_calls(t, where, j) if role == "assistant" and not through_first_user else None
+        calls = _tool_calls(t, where, j, isinstance(record, ArrowRecord)) if role == "assistant" and \
+            not through_first_user else None
         if content is None and (t.get("tool_calls") or t.get("function_call")):  # a call alone: OpenAI writes
             content = ""  # its content as null
         message = {"role": role, "content": _content(content, where, j)}

@@ -6,11 +6,14 @@ import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import os
 import random
 
 from . import (cli, compute, conversations, faults, files, messages as chat, outdir, regenerate, tokenize_workers,
                verifier)
+
+log = logging.getLogger("eagle3")
 
 
 def check(args):
@@ -34,11 +37,30 @@ def check(args):
 
 def tokenizer(args, records):
     """The verifier's tokenizer, its chat template probed on the records: a template that loops is refused before
-    the folder is taken."""
+    the folder is taken. With --regenerate the verifier's weights are checked against its config first."""
     from . import masks
+    if args.regenerate:  # the verifier answers: its weights against the model its config defines (imports transformers;
+        from .verifier_weights import verify  # said by regenerate.run, once the folder is taken)
+        verify(args.model_path, args.trust_remote_code)
     tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
     masks.probe_template(tok, records)
     return tok
+
+
+def check_marks(args, rows, skipped, rendered):
+    """Fail closed on a template that marks no assistant text: every rendered conversation with nothing to train
+    (its answers found nowhere in the render), or every kept token trained (no prompt around the answers) is the
+    template's doing, and training on an all-zero or all-one mask would teach the draft nothing of the verifier's."""
+    where = f"--model-path {args.model_path}: its chat template"
+    blank = skipped["nothing_trainable"] + skipped["unaligned"]
+    if rendered and not rows and blank == rendered:
+        raise cli.UsageError(f"{where} marks no assistant turn in any of the {rendered:,} conversations it rendered "
+                             f"(the render with an answer adds nothing to the render that asks for it); fix the "
+                             f"template (tokenizer_config.json or chat_template.jinja)")
+    if rows and all(all(r["loss_mask"]) for r in rows):
+        raise cli.UsageError(f"{where} renders the {len(rows):,} conversations as answer text alone: every token of "
+                             f"every row would be trained, no prompt is context; fix the template "
+                             f"(tokenizer_config.json or chat_template.jinja)")
 
 
 def read_conversations(args, log):
@@ -109,6 +131,7 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
                 first_template_error = first_template_error or f"{rid}: {result[0]}"
                 continue
             ids, mask, meta = result
+            counts["opening_turns_dropped"] += meta.get("opening_turns_dropped", 0)
             counts["unaligned_turns"] += meta["unaligned"]
             counts["truncated"] += meta["truncated"]
             turns += sum(m["role"] == "assistant" for m in messages)
@@ -138,6 +161,11 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
                     f"records that call tools, e.g. {first_dropped}: those records are left out")
     if first_template_error:
         log.warning(f"the chat template refused {skipped['template_error']} conversations, e.g. {first_template_error}")
+    if counts["opening_turns_dropped"]:
+        log.info(f"the chat template refuses a conversation that an assistant turn opens: "
+                 f"{counts['opening_turns_dropped']:,} such opening turns were left out (they answer nothing), the rest "
+                 f"of their conversations kept (opening_turns_dropped in the manifest)")
+    check_marks(args, rows, skipped, len(records) - skipped["template_error"] - skipped["tool_calls_not_rendered"])
     if counts["unaligned_turns"]:  # the template's doing, not the data's: say it whatever the share
         what = (f"--model-path {args.model_path}: its chat template renders {counts['unaligned_turns']:,} of "
                 f"{turns:,} assistant turns where no render up to them puts them (it moves or drops earlier text)")

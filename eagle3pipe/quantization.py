@@ -9,10 +9,8 @@ bf16 [out, in / 32] and `weight_shape` [2]; attention, shared experts, the dense
 stay bf16 (the config's `ignore` list).
 """
 import dataclasses
-import json
 import os
 import re
-import struct
 
 from .errors import UsageError
 
@@ -21,37 +19,21 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2":
 PARTS = ("weight_packed", "weight_scale", "weight_shape")  # a packed Linear's tensors
 
 
+MAX_HEADER = 100_000_000  # a verifier's header: about 1 MB a shard for Kimi-K2.5's 64
+
+
 def tensor_table(model_path):
-    """{tensor name: (dtype, shape, shard)} of a local checkpoint, from its shards' headers (no data read). A shard that
-    is not safetensors is one line naming it."""
-    index = os.path.join(model_path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        from .files import read_json
-        shards = sorted(set((read_json(index).get("weight_map") or {}).values()))
-    else:
-        shards = sorted(n for n in os.listdir(model_path) if n.endswith(".safetensors"))
-    table = {}
-    for shard in shards:
-        path = os.path.join(model_path, shard)
-        try:
-            size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                n = struct.unpack("<Q", f.read(8))[0]
-                if n > min(size - 8, 100_000_000):
-                    raise ValueError("header length beyond the file")
-                header = json.loads(f.read(n))
-            if not isinstance(header, dict):
-                raise ValueError("its header is not a JSON object")
-            end = max((v["data_offsets"][1] for v in header.values() if isinstance(v, dict)
-                       and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2
-                       and isinstance(v["data_offsets"][1], int)), default=0)
-            if 8 + n + end > size:  # a copy or a download cut short: transformers finds it only when it loads
-                raise ValueError(f"cut short: its tensors end at byte {8 + n + end:,}, the file has {size:,}")
-        except (OSError, ValueError, struct.error) as e:
-            raise UsageError(f"--model-path {model_path}: {shard} is not a readable safetensors file ({e})")
-        table.update({k: (v.get("dtype"), list(v.get("shape") or []), shard) for k, v in header.items()
-                      if isinstance(v, dict)})
-    return table
+    """{tensor name: (dtype, shape, shard)} of a local checkpoint, from its shards' headers (no data read), each read
+    whole as the format defines it (weight_files.py). A file that is not is one line naming it."""
+    from .weight_files import Bad, read_weights
+    try:
+        tensors = read_weights(model_path, MAX_HEADER, "a checkpoint's", any_names=True)
+    except Bad as e:
+        raise UsageError(f"--model-path {model_path}: {e}")
+    except OSError as e:
+        raise UsageError(f"--model-path {model_path}: {os.path.basename(e.filename or '') or 'weights'} unreadable "
+                         f"({e.strerror or e})")
+    return {k: (v[0], list(v[1]), v[4]) for k, v in tensors.items()}
 
 
 def nbytes(entry):
@@ -114,16 +96,16 @@ def _weights_args(q, where):
     return weights[0]
 
 
-def read(model_path, cfg=None):
+def read(model_path, cfg=None, table=None):
     """-> Quantization, or None for a checkpoint without one. Only local folders (a hub id's tensors are not here);
-    `cfg`: its config.json, read here when not given."""
+    `cfg`: its config.json, read here when not given; `table`: tensor_table's, read here when not given."""
     if not os.path.isdir(model_path):
         return None
     if cfg is None:
         from .files import read_json
         cfg = read_json(os.path.join(model_path, "config.json"))
     where = f"--model-path {model_path}"
-    table = tensor_table(model_path)
+    table = tensor_table(model_path) if table is None else table
     packed = sorted(k[:-len(".weight_packed")] for k in table if k.endswith(".weight_packed"))
     q = config_of(cfg)
     if q is None:

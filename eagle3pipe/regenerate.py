@@ -91,6 +91,8 @@ def load_cache(paths, settings):
 def run(records, tok, args, out):
     """[(id, messages, tools)] -> (the same with assistant turns regenerated, counts, this run's answers as
     [{"id", "turn", "text", "settings"}]). Resumable (see above); `out` is stage 01's claimed output folder."""
+    from .verifier_weights import say
+    say(args.model_path, args.trust_remote_code)  # checked before the folder was taken (preparation.tokenizer)
     settings, path = settings_of(args), cache_path(out)
     done = load_cache([os.path.join(out, "regenerated.jsonl"), path], settings)
     answers = []

@@ -46,8 +46,22 @@ def outcome(tok, messages, max_seq_len, tools):
     except masks.ToolCallsNotRendered as e:
         return ("dropped", str(e))
     except masks.TemplateError as e:
+        opening = _opening_assistant(messages)
+        if opening:  # an alternating template (Gemma's) refuses a conversation an assistant opens: only that turn goes
+            kind, *rest = outcome(tok, messages[:opening[0]] + messages[opening[1]:], max_seq_len, tools)
+            if kind == "ok":
+                ids, mask, meta = rest
+                return ("ok", ids, mask, {**meta, "opening_turns_dropped": opening[1] - opening[0]})
         return ("error", str(e))
     return ("ok", ids, mask, meta)
+
+
+def _opening_assistant(messages):
+    """(start, end) of the assistant turns that open a conversation (after its system turns; they answer nothing),
+    or None."""
+    start = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    end = next((i for i in range(start, len(messages)) if messages[i]["role"] != "assistant"), len(messages))
+    return (start, end) if start < end < len(messages) else None
 
 
 def count(requested, n_records, regenerate=False):

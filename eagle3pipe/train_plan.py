@@ -337,6 +337,8 @@ def plan(s, rank):
         check_resume(s, identity)
     watch = input_watch.stage04_inputs(s, prep, ext, voc)
     input_watch.watch_training(watch)  # re-checked at each checkpoint, and before the manifest
+    from .verifier_weights import verify  # the last check (it imports transformers): the weights against the config
+    verify(s.model_path, s.trust_remote_code)  # said once the folder is taken (confirm_device)
     return Plan(device, fp, tc, recipe, inputs, prep, ext, voc, rows, failed, dtype, states, identity, watch)
 
 
@@ -347,7 +349,9 @@ def confirm_device(s, p, rank):
     from . import compute
     on_cpu = s.device == "cpu" or (s.device == "auto" and torch.accelerator.current_accelerator() is None)
     dtype = compute.resolve(s.dtype, not on_cpu)
-    if rank == 0:  # the first line once every check has passed: what the run will compute in, and why
+    if rank == 0:  # the first lines once every check has passed: the verifier's weights, the compute dtype and why
+        from .verifier_weights import say
+        say(s.model_path, s.trust_remote_code)
         log.info(dtype.describe())
         if dtype.warning:
             log.warning(dtype.warning)

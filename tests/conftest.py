@@ -166,15 +166,19 @@ def pytest_collection_modifyitems(items):
             item.add_marker(getattr(pytest.mark, tier))
 
 
-def assert_refused(p, secs, *needles):
+def assert_refused(p, secs, *needles, weights_checked=False):
     """A refusal: exit 2, exactly one `error:` line naming what is wrong, no traceback, nothing heavy imported (so
-    no model could have loaded). -> the line."""
+    no model could have loaded); `weights_checked`: after the verifier's weights check, which imports torch and
+    transformers (verifier_weights.py), but still no engine and no trainer. -> the line."""
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in p.stderr, p.stderr[-3000:]
     for n in needles:
         assert n in lines[0], (n, lines[0])
-    assert loaded_nothing(p), f"refused only after importing {p.heavy}"
+    if weights_checked:
+        assert "vllm" not in p.heavy and "speculators" not in p.heavy, f"refused only after importing {p.heavy}"
+    else:
+        assert loaded_nothing(p), f"refused only after importing {p.heavy}"
     return lines[0]
 
 

@@ -152,10 +152,15 @@ def dense(out, tokenizer_from, config_class, layers=8, hidden=64, heads=4, seed=
     import transformers
     os.makedirs(out, exist_ok=True)
     base = _tokenizer(tokenizer_from, out)
-    cfg = getattr(transformers, config_class)(
-        vocab_size=base["vocab_size"], hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+    cfg = getattr(transformers, config_class)(**{
+        "vocab_size": base["vocab_size"], **extra}, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=4096,
-        bos_token_id=base.get("bos_token_id"), eos_token_id=base.get("eos_token_id"), **extra)
+        bos_token_id=base.get("bos_token_id"), eos_token_id=base.get("eos_token_id"))
     torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():  # norms random too: a family's own norm (Gemma's x * (1 + w)) shows only where w is not 0
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(out)
     return out

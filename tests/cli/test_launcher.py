@@ -72,7 +72,8 @@ def test_help_once_and_dry_run_start_and_write_nothing(model_path, prep, tmp_pat
     assert "REPLICAS" in p.stdout and "TP_SIZE" in p.stdout and not p.stderr.strip(), p.stderr
     p = launch(*base(model_path, prep, out), "--dry-run")
     assert p.returncode == 0 and "plan:" in p.stdout and "nothing started" in p.stdout, p.stderr
-    assert "started PID" not in p.stdout and not out.exists() and not p.heavy
+    assert "started PID" not in p.stdout and not out.exists(), p.stdout
+    assert "  weights: 272 tensors" in p.stdout and "vllm" not in p.heavy and "speculators" not in p.heavy, p.heavy
 
 
 def test_relative_paths_are_taken_from_where_the_operator_is(model_path, prep, tmp_path):
@@ -159,7 +160,9 @@ def test_a_stage_that_stops_at_once_is_named_and_gets_no_pid_file(model_path, pr
     (data / "tokenized_data.jsonl").write_text("".join(rows))
     out = tmp_path / "hs"
     p = launch(*base(model_path, data, out))
-    line = assert_refused(p, 0, "stopped", "exit 2", "tokenized_data.jsonl:3: malformed row", "extract.log")
+    # the launcher's preflight checked the verifier's weights (torch, transformers); no engine started
+    line = assert_refused(p, 0, "stopped", "exit 2", "tokenized_data.jsonl:3: malformed row", "extract.log",
+                          weights_checked=True)
     assert "started PID" not in p.stdout and not (out / "extract.pid").exists(), line
     assert "malformed row" in (out / "extract.log").read_text()
 

@@ -367,3 +367,45 @@ def test_deepseek_v3_calls_render_in_the_form_its_template_takes(tokenizer, capl
     with pytest.raises(UsageError, match=r"--model-path m: its chat template renders no tool call \(1 of the records "
                                          r"call tools; first: record r2: message 1's call"):
         preparation.tokenize_rows([("r2", text_and_call, None)], tok, args, len(tok), collections.Counter(), 1, log)
+
+
+def test_an_alternating_template_loses_only_the_opening_assistant_turn(tokenizer):
+    """Gemma's template refuses a conversation an assistant turn opens (roles must alternate from the user). That turn
+    answers nothing: stage 01 leaves it out, counted, and trains the rest of the conversation; a conversation with
+    nothing after its opening turns stays refused."""
+    from eagle3pipe.tokenize_workers import outcome
+    tok = with_template(tokenizer, "gemma3.jinja", ["<start_of_turn>", "<end_of_turn>"])
+    opening = {"role": "assistant", "content": "Hello! How can I help you today?"}
+    with pytest.raises(masks.TemplateError, match="alternate"):
+        masks.tokenize_conversation(tok, [opening] + CONV, 4096)
+    for system in ([], [{"role": "system", "content": "Be brief."}]):
+        kind, ids, mask, meta = outcome(tok, system + [opening, opening] + CONV, 4096, None)
+        assert kind == "ok" and meta["opening_turns_dropped"] == 2, meta
+        assert masked_spans(tok, ids, mask) == ["I am a helpful assistant.<end_of_turn>\n",
+                                                "2+2 equals 4.<end_of_turn>\n"], masked_spans(tok, ids, mask)
+        assert "How can I help" not in tok.decode(ids)
+    assert outcome(tok, [CONV[0], CONV[0], CONV[1]], 4096, None)[0] == "error"  # not an opening turn: refused
+    assert outcome(tok, [opening], 4096, None)[0] == "error"
+
+
+def test_a_template_that_marks_no_answer_or_only_answers_is_refused_naming_it(model_path, tmp_path):
+    """Fail closed: a chat template under which no conversation has an assistant token to train (the answers are not
+    rendered), or under which every token is an answer (no prompt is rendered), is refused in one line naming the
+    template, never trained on an all-zero or all-one mask."""
+    import json
+    from conftest import model_with_template, run_script
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": CONV}) + "\n" for _ in range(3)))
+    for name, template, says in (
+            ("blind", "{% for m in messages %}{% if m.role == 'user' %}<|im_start|>{{ m.content }}<|im_end|>"
+                      "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}",
+             "its chat template marks no assistant turn in any of the 3 conversations it rendered"),
+            ("answers", "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}<|im_end|>{% endif %}"
+                        "{% endfor %}",
+             "its chat template renders the 3 conversations as answer text alone")):
+        model = model_with_template(model_path, tmp_path / name, template)
+        p, _ = run_script("01_prepare_dataset.py", "--model-path", str(model), "--dataset", str(data),
+                          "--output-dir", str(tmp_path / f"out-{name}"), "--max-seq-len", "256")
+        lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+        assert p.returncode == 2 and len(lines) == 1 and says in lines[0], p.stderr[-2000:]
+        assert f"--model-path {model}: " in lines[0] and not (tmp_path / f"out-{name}").exists()

@@ -179,3 +179,26 @@ def test_speculators_reproducibility_files_are_installed_and_recorded_never_writ
     assert {"run.yaml", "train_command.txt"} <= set(got) <= {"run.yaml", "train_command.txt", "speculators.patch"}
     assert all(got.values()), got  # every file there is the stage's: no stray temporary of speculators'
     assert "verifier_name_or_path: v" in (d / "run.yaml").read_text().replace("'", "")
+
+
+def test_a_lock_copied_with_its_folder_never_names_a_stranger(tmp_path):
+    """A folder copied with its lock file carries the old holder's line ("PID n on host: ..."), not its lock. A
+    shard replica later shares that lock without renaming it: a refusal names the live replica, never the gone PID."""
+    import socket
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    d = tmp_path / "copy"
+    d.mkdir()
+    (d / outdir.LOCK).write_text(f"PID {gone} on {socket.gethostname()}: 02_extract_hidden_states.py (copied)\n")
+    code = (f"import sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe import outdir; "
+            f"outdir.claim('--output-dir', {str(d)!r}, 'vocab', shard=(0, 2)); print('held', flush=True); "
+            f"time.sleep(60)")
+    replica = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert replica.stdout.readline().strip() == "held"
+        with pytest.raises(UsageError) as refused:
+            outdir.check("--output-dir", str(d), "vocab")
+        assert f"PID {replica.pid} " in str(refused.value) and f"PID {gone} " not in str(refused.value), refused.value
+    finally:
+        replica.kill()
+        replica.wait()

@@ -62,3 +62,26 @@ def test_a_cache_that_is_not_this_users_alone_is_never_read(env, caplog, monkeyp
     _refused(caplog, target / "graph.pkl", "is not a folder", str(target / "graph.pkl"))  # the user's own setting
     monkeypatch.setenv(compile_cache.ENV, str(env / "mine"))
     assert compile_cache.prepare() == (str(env / "mine"), True)
+
+
+def test_a_cache_reached_through_a_folder_others_could_change_is_never_read(env, caplog):
+    """The folder itself may be private and this user's, yet sit under a folder others can write to (they could put
+    another folder in its place between the check and a later run), or be reached through a link made in such a
+    folder, or lie in another user's folder. A sticky shared folder (/tmp) is safe: no one renames another's entry."""
+    shared = env / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # world-writable, not sticky
+    (shared / "c").mkdir(mode=0o700)
+    _refused(caplog, shared / "c", f"lies under {shared}, which others can write to (mode 777)", str(shared / "c"))
+    mine = env / "mine"
+    mine.mkdir(mode=0o700)
+    (shared / "link").symlink_to(mine)  # a link in a folder anyone can change, to a folder of this user's
+    _refused(caplog, mine, f"lies under {shared}, which others can write to", str(shared / "link" / "c"))
+    os.chmod(shared, 0o1777)  # sticky, as /tmp is
+    assert compile_cache.unsafe_parent(str(shared / "c")) is None
+    if os.getuid() == 0:  # another user's folder above it (only root can make one here)
+        other = env / "other"
+        (other / "c").mkdir(parents=True, mode=0o700)
+        os.chown(other, 12345, -1)
+        _refused(caplog, other / "c", f"lies under {other}, which belongs to another user (uid 12345)",
+                 str(other / "c"))

@@ -255,3 +255,26 @@ def test_arrow_merged_keys_are_not_written_into_calls(tmp_path):
     # arguments given as JSON text are the model's own: their nulls stay
     _, msgs = chat.normalize("r", rec("f", '{"limit": null}'))
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"limit": None}
+
+
+def test_a_json_records_nulls_are_its_own_and_nan_is_refused_naming_the_record(tmp_path):
+    """A JSON record's explicit null in a call's arguments or a tool's schema is the record's (only Arrow's merged
+    columns make nulls of absent keys), so it is kept as written. NaN and the infinities, which Python's json reads
+    but JSON has not, are refused in one line naming the record, as an object or as text."""
+    import pytest
+    from eagle3pipe.errors import UsageError
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"limit": None, "q": {"x": None}}}}
+    rec = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"default": None}}}],
+           "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]}]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(rec) + "\n")
+    [(where, got)] = list(conv.iter_records(str(tmp_path / "d.jsonl")))
+    assert chat.normalize(where, got)[1][1]["tool_calls"][0]["function"]["arguments"] == {"limit": None,
+                                                                                          "q": {"x": None}}
+    assert chat.record_tools(where, got)[0]["function"]["parameters"] == {"default": None}
+    for args in ('{"limit": NaN}', '{"x": -Infinity}', {"limit": float("nan")}, {"x": [float("inf")]}):
+        call["function"]["arguments"] = args
+        (tmp_path / "d.jsonl").write_text(json.dumps(rec) + "\n")
+        [(where, got)] = list(conv.iter_records(str(tmp_path / "d.jsonl")))
+        with pytest.raises(UsageError) as e:
+            chat.normalize(where, got)
+        assert str(e.value).startswith(f"{tmp_path / 'd.jsonl'}:1: message 1 tool call 0 ('f') arguments "), e.value

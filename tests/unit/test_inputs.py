@@ -76,8 +76,8 @@ def test_a_verifier_folder_without_whole_weights_is_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(whole)
     verifier.check_weights(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(whole[:-4])
-    with pytest.raises(UsageError, match="model.safetensors is not a readable safetensors file .cut short: its "
-                                         "tensors end at byte"):
+    with pytest.raises(UsageError, match="model.safetensors: its tensors end at data byte 16, the file holds 12 "
+                                         "data bytes: cut short"):
         verifier.check_weights(str(tmp_path))
 
 

@@ -370,10 +370,14 @@ def test_quantized_embedding_or_head_is_refused(tmp_path):
     import struct
     from eagle3pipe import verifier
 
-    def shard(name, tensors):
-        header = {k: {"dtype": d, "shape": [2, 2], "data_offsets": [0, 0]} for k, d in tensors.items()}
+    def shard(name, tensors):  # [2, 2] tensors whose offsets tile the file, as the format requires
+        size = {"BF16": 2, "F16": 2, "I32": 4, "F8_E4M3": 1}
+        header, at = {}, 0
+        for k, d in tensors.items():
+            header[k] = {"dtype": d, "shape": [2, 2], "data_offsets": [at, at + 4 * size[d]]}
+            at += 4 * size[d]
         raw = json.dumps(header).encode()
-        (tmp_path / name).write_bytes(struct.pack("<Q", len(raw)) + raw)
+        (tmp_path / name).write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(at))
     shard("model.safetensors", {"model.embed_tokens.weight": "BF16", "lm_head.weight_packed": "I32",
                                 "lm_head.weight_scale": "BF16"})
     with pytest.raises(UsageError, match="lm_head.weight_packed is quantized"):
