@@ -96,3 +96,24 @@ def test_the_last_layer_among_the_ids_is_named_in_a_warning(prep, model_path, tm
     assert "the draft gets 2 auxiliary layer(s), [2, 15] (EAGLE-3 takes 3, e.g. 2,15,27)" in p.stderr
     p, _ = extract(model_path, prep, tmp_path / "hs", "--dry-run", "--layer-ids", "2,15,27,30")
     assert p.returncode == 0 and "last layer" not in p.stderr  # the three and the last, as stored: no warning
+
+
+def test_the_dry_run_reads_the_rows_and_a_count_below_zero_is_refused(prep, model_path, tmp_path):
+    """--dry-run checks what the run checks first, the rows included: a malformed row (stage 01's manifest still
+    vouches for the file) is named by the dry run, not by the run after the verifier loaded. A manifest whose counts
+    were edited below 0 (the plan said "-3 samples") is refused naming the field."""
+    import shutil
+    data = tmp_path / "prepared"
+    shutil.copytree(prep, data)
+    rows = (data / "tokenized_data.jsonl").read_text().splitlines(keepends=True)
+    rows[2] = '{"input_ids": [1, 2], "loss_mask": [1]}\n'
+    (data / "tokenized_data.jsonl").write_text("".join(rows))
+    assert_refused(*extract(model_path, data, tmp_path / "hs", "--dry-run"), "tokenized_data.jsonl:3: malformed row")
+    shutil.rmtree(data)
+    shutil.copytree(prep, data)
+    man = json.loads((data / "manifest.json").read_text())
+    man["counts"]["rows"] = -3
+    (data / "manifest.json").write_text(json.dumps(man))
+    assert_refused(*extract(model_path, data, tmp_path / "hs", "--dry-run"), "manifest.json: field 'rows' is -3, a "
+                                                                            "count below 0; rerun 01_prepare_dataset.py")
+    assert not (tmp_path / "hs").exists()
