@@ -130,7 +130,8 @@ def main():
                  f"({plan.rows.tokens:,} tokens), aux layer ids {plan.aux}, draft vocab "
                  f"{plan.draft_vocab:,}, {'CPU' if on_cpu else 'GPU'}, {dtype.dtype}")
         measure = validation_measure.plan(args, plan.rows, plan.aux, on_cpu) if rank == 0 else None
-        result = training.run(cfg, args, on_cpu, dtype.dtype, data.loaders(), measure, data.batch_step)
+        result = training.run(cfg, args, on_cpu, dtype.dtype, data.loaders(), measure, data.batch_step,
+                              plan.targets.norm if plan.targets else None)
     result.update(data.summary())
     return checkpoints.finish(args, plan, out, previous, result, cfg, on_cpu, dtype, rank)
 

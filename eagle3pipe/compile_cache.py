@@ -11,6 +11,7 @@ sticky (/tmp: no one can rename or delete another's entry there). The default is
 `TORCHINDUCTOR_CACHE_DIR` set by the user is kept, under the same rule. A cache that fails the rule is never read:
 one warning line, and this run compiles into a fresh private folder of its own, removed when it ends."""
 import atexit
+import contextlib
 import logging
 import os
 import shutil
@@ -20,6 +21,19 @@ import tempfile
 log = logging.getLogger("eagle3pipe")
 
 ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+@contextlib.contextmanager
+def setting_kept():
+    """For a block that may import torch._dynamo (transformers' models do): its import writes torch's /tmp default
+    into TORCHINDUCTOR_CACHE_DIR when unset, where prepare() would later read it as the user's choice. The setting
+    leaves the block as the user left it."""
+    unset = ENV not in os.environ
+    try:
+        yield
+    finally:
+        if unset:
+            os.environ.pop(ENV, None)
 
 
 def default_dir():

@@ -49,11 +49,11 @@ def tokenizer(args, records):
 
 def check_marks(args, rows, skipped, rendered):
     """Fail closed on a template that marks no assistant text: every rendered conversation with nothing to train
-    (its answers found nowhere in the render), or every kept token trained (no prompt around the answers) is the
+    (a render with its answer adds nothing to the render that asks for it), or every kept token trained (no prompt around the answers) is the
     template's doing, and training on an all-zero or all-one mask would teach the draft nothing of the verifier's."""
     where = f"--model-path {args.model_path}: its chat template"
-    blank = skipped["nothing_trainable"] + skipped["unaligned"]
-    if rendered and not rows and blank == rendered:
+    # (turns a template renders elsewhere than a render up to them puts them, "unaligned", have their own line)
+    if rendered and not rows and skipped["nothing_trainable"] == rendered:
         raise cli.UsageError(f"{where} marks no assistant turn in any of the {rendered:,} conversations it rendered "
                              f"(the render with an answer adds nothing to the render that asks for it); fix the "
                              f"template (tokenizer_config.json or chat_template.jinja)")

@@ -285,6 +285,7 @@ class Plan:
     states: object
     identity: dict
     watch: object
+    targets: object = None  # target_check.Verdict: the training targets against the verifier's own (offline runs)
 
     @property
     def aux(self):
@@ -339,7 +340,10 @@ def plan(s, rank):
     input_watch.watch_training(watch)  # re-checked at each checkpoint, and before the manifest
     from .verifier_weights import verify  # the last check (it imports transformers): the weights against the config
     verify(s.model_path, s.trust_remote_code)  # said once the folder is taken (confirm_device)
-    return Plan(device, fp, tc, recipe, inputs, prep, ext, voc, rows, failed, dtype, states, identity, watch)
+    # the targets speculators will train toward against the verifier's own distribution, on a few stored rows
+    from . import target_check
+    targets = None if s.online else target_check.check(s, tc, ext, rows, failed, recipe["draft_arch"])
+    return Plan(device, fp, tc, recipe, inputs, prep, ext, voc, rows, failed, dtype, states, identity, watch, targets)
 
 
 def confirm_device(s, p, rank):
@@ -352,6 +356,8 @@ def confirm_device(s, p, rank):
     if rank == 0:  # the first lines once every check has passed: the verifier's weights, the compute dtype and why
         from .verifier_weights import say
         say(s.model_path, s.trust_remote_code)
+        if p.targets is not None:
+            log.info(p.targets.describe())
         log.info(dtype.describe())
         if dtype.warning:
             log.warning(dtype.warning)

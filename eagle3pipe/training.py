@@ -11,7 +11,7 @@ import os
 import threading
 import time
 
-from . import checkpoints, compute, files, mla_draft, outdir, train_data
+from . import adapters, checkpoints, compute, files, mla_draft, outdir, train_data
 from .train_log import DenseLog
 from .errors import UsageError
 from .inherited import last_words
@@ -159,7 +159,7 @@ def acknowledged_signals(again_after=2.0):
 
 
 def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, dtype="bfloat16", batch_step=None,
-                       profile=None):
+                       profile=None, verifier_norm=None):
     from speculators.train.trainer import Trainer
     pending = [True]  # the epoch a rerun resumes after may still need its validation (checkpoints.validate_pending)
 
@@ -168,6 +168,8 @@ def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, 
             if on_cpu:
                 self.local_rank, self.device_type = "cpu", "cpu"
             super().setup_model()
+            if verifier_norm is not None:  # the targets through the verifier's own final norm (target_check.py)
+                adapters.own_verifier_norm(self.model, verifier_norm)
             from .input_watch import BatchGuard  # a batch of no token is named and counted, never trained on silently
             step = batch_step(self.local_rank) if batch_step else None  # fp8: dequantized on the GPU
             self.train_loader = BatchGuard(self.train_loader, steps=(profile, step))  # --profile-steps: rank 0
@@ -322,12 +324,13 @@ def fused_loss_fails(draft_vocab, ttt_steps, loss_fn="kl_div", tokens=256):
         torch._dynamo.reset()
 
 
-def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_step=None):
+def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_step=None, verifier_norm=None):
     """speculators' own training entry point, with our Trainer subclass and dense log attached (adapters.py, for the
     run only); `dtype` the compute dtype (train_config's); `loaders`: a context that adapts speculators' data loaders
     for the run (online.loaders), or None; `measure`: validation_measure.Measure choosing checkpoint_best, or None
     (the trainer's estimate chooses it); `batch_step(device)`: what each batch goes through before the trainer
-    (train_data.OfflineData.batch_step), or None."""
+    (train_data.OfflineData.batch_step), or None; `verifier_norm`: the verifier's own final norm where speculators'
+    would compute the targets otherwise (target_check.py), or None."""
     from . import adapters, lifeline
     import warnings
     lifeline.start()  # data-loader and compile workers die with the stage too, however it ends
@@ -344,7 +347,7 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_s
         from .step_profile import StepProfile
         profile = StepProfile(args.profile_steps, logs, not on_cpu)
     trainer_cls = make_trainer_class(dense, on_cpu, args.max_steps, measure, args.ttt_steps, dtype, batch_step,
-                                     profile)
+                                     profile, verifier_norm)
     holder = {}
 
     class Recording(trainer_cls):

@@ -18,6 +18,11 @@ Why: transformers initialises a missing weight at random and says so only in its
 network's states, exit 0); vLLM refuses it only once its engine has started (over 20 minutes for Kimi-K2.5).
 A verifier whose family the installed transformers does not know is matched structurally only (the headers); the
 plan says so.
+
+The definition is kept, as JSON, in `<XDG_CACHE_HOME or ~/.cache>/eagle3pipe/definitions/`, by the text config and
+the transformers version (a folder trusted as the compile cache is: compile_cache.distrust): a rerun, a later stage
+or another replica checks the same verifier in a second, without importing torch. A cache file that does not read
+as one is ignored and made again.
 """
 import dataclasses
 import functools
@@ -48,19 +53,90 @@ class Definition:
     embedding: str       # the input embeddings' name as saved ("model.embed_tokens.weight")
 
 
+CACHE_VERSION = 1
+
+
+def _cache_file(text_cfg):
+    """Where the definition of `text_cfg` under the installed transformers is kept, or None (no trusted folder)."""
+    import hashlib
+    import importlib.metadata
+    import json
+    from .compile_cache import distrust
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(base, "eagle3pipe", "definitions")
+    if distrust(folder):
+        return None
+    key = json.dumps({"text_config": text_cfg, "transformers": version, "v": CACHE_VERSION}, sort_keys=True,
+                     default=str)
+    return os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+
+def _cached(path):
+    import json
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        d = Definition(raw["arch"], {k: (list(v[0]), bool(v[1])) for k, v in raw["tensors"].items()},
+                       frozenset(raw["tied"]), tuple(raw["skip"]), tuple(raw["spare"]), raw["base"], raw["embedding"])
+        if not all(isinstance(x, str) for x in (d.arch, d.base, d.embedding, *d.tied, *d.skip, *d.spare)) or not all(
+                all(isinstance(n, int) for n in v[0]) for v in d.tensors.values()):
+            raise ValueError
+        return d
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return None  # missing, or not one: made again
+
+
+def _keep(path, d):
+    """Write the definition beside the others: a fresh private file renamed into place (the folder is this user's
+    alone, compile_cache.distrust); a failure costs only the next run's second."""
+    import json
+    raw = {"arch": d.arch, "tensors": {k: [v[0], v[1]] for k, v in d.tensors.items()}, "tied": sorted(d.tied),
+           "skip": list(d.skip), "spare": list(d.spare), "base": d.base, "embedding": d.embedding}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(raw, f)
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
 def definition(cfg, text_cfg, model_path, trust_remote_code):
-    """-> Definition from transformers' own model class, or None where it does not know the family. Imports torch and
-    transformers (seconds); builds nothing real."""
+    """-> Definition from transformers' own model class (kept: see the module's docstring), or None where it does
+    not know the family. Imports torch and transformers (seconds) when not kept; builds nothing real."""
+    known = _known(text_cfg.get("model_type"))
+    cache = _cache_file(text_cfg) if known else None
+    d = _cached(cache) if cache else None
+    if d is None and (known or trust_remote_code):
+        d = _build(cfg, text_cfg, model_path, trust_remote_code)
+        if cache and d is not None:
+            _keep(cache, d)
+    return d
+
+
+def _known(model_type):
+    """Whether the installed transformers has a config for `model_type`, read without importing it."""
+    from .verifier import _transformers_knows
+    knows = _transformers_knows()
+    return knows is not None and isinstance(model_type, str) and model_type in knows[0]
+
+
+def _build(cfg, text_cfg, model_path, trust_remote_code):
+    """The Definition, from transformers' class for the family built on the meta device."""
     from . import adapters
-    from .compile_cache import ENV
+    from .compile_cache import setting_kept
     adapters.check_private("transformers")
-    unset = ENV not in os.environ
-    import torch
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.core_model_loading import revert_weight_conversion
-    if unset:  # torch._dynamo's import (through transformers' models) writes torch's /tmp default there; stage 04
-        os.environ.pop(ENV, None)  # chooses the compile cache itself later (compile_cache.py), as the user left it
+    with setting_kept():  # stage 04 chooses the compile cache later (compile_cache.py)
+        import torch
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.core_model_loading import revert_weight_conversion
     transformers.utils.logging.set_verbosity_error()  # its notes on unused config keys are not the operator's
     model_type = text_cfg.get("model_type")
     known = model_type in transformers.CONFIG_MAPPING
@@ -102,6 +178,19 @@ def _root(tensors, d):
     return root, heads + [h for h in ("",) if h not in heads]
 
 
+def stored_names(tensors, d):
+    """name -> the checkpoint's name of the same tensor, for every name the definition `d` saves: under the root the
+    checkpoint keeps the base model in, the rest (the head) under the first prefix that holds it."""
+    root, heads = _root(tensors, d)
+    own = d.base + "."
+
+    def stored(name):
+        if name.startswith(own):
+            return root + name[len(own):]
+        return next((h + name for h in heads if h + name in tensors), heads[0] + name)
+    return stored
+
+
 def _where(name, wmap, tensors):
     if wmap:
         return wmap.get(name) or f"any of the {len(set(wmap.values())):,} files its index names"
@@ -123,17 +212,12 @@ def check(model_path, cfg, text_cfg, trust_remote_code, tensors, wmap, quantizat
     if d is None:
         return (f"{len(tensors):,} tensors read; not matched against a model definition (transformers does not know "
                 f"model_type {text_cfg.get('model_type')!r})")
-    root, heads = _root(tensors, d)
-    own = d.base + "."
+    stored = stored_names(tensors, d)
+    root, own = _root(tensors, d)[0], d.base + "."
     bits = quantization.bits if quantization is not None and quantization.fmt == "pack-quantized" else 0
     quantized = quant_cfg is not None
     claimed, missing, modules = set(), [], set()
-
-    def stored(name):
-        if name.startswith(own):
-            return root + name[len(own):]
-        return next((h + name for h in heads if h + name in tensors), heads[0] + name)
-
+    heads = _root(tensors, d)[1]
     for name, (shape, floating) in d.tensors.items():
         key = stored(name)
         module = key[:-len(".weight")] if key.endswith(".weight") else None
