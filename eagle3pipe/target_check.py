@@ -9,8 +9,8 @@ with the verifier's on 24 % of the trained positions of a real Gemma 3), Gemma 2
 Granite scale them.
 
 The verifier's own distribution is computed by its own code: transformers' class for the family, built on the meta
-device with no decoder layer, its final norm and head (the embeddings where tied) loaded from the checkpoint, called
-with the stored state as its input embeddings: whatever its forward does after the last layer (the norm, a cap, a
+device with no decoder layer, its final norm loaded from the checkpoint and its head cut to the draft vocabulary's
+rows (the embeddings' where tied), called with the stored state as its input embeddings: whatever its forward does after the last layer (the norm, a cap, a
 scale) runs as the verifier runs it. (Anything it does to the input embeddings is a scale, which a final RMSNorm or
 LayerNorm does not see.) The two are compared on the trained positions of up to ROWS rows:
 - they agree: speculators' targets are trained on as they are;
@@ -48,9 +48,11 @@ class Verdict:
                 f"{self.positions:,} trained positions (KL {self.kl:.1e} nats), {how}")
 
 
-def own_head(model_path, text_cfg, tensors, trust_remote_code):
-    """The verifier's CausalLM with no decoder layer, on the CPU in float32, its remaining weights (final norm, head,
-    embeddings) loaded from the checkpoint; `tensors`: {name as its definition saves it: name in the checkpoint}."""
+def own_head(model_path, text_cfg, tensors, head, trust_remote_code):
+    """The verifier's CausalLM with no decoder layer, on the CPU in float32: its output embeddings `head` (the rows of
+    the draft vocabulary: the cap or scale its forward applies is per logit, so these logits are the full head's),
+    input embeddings of one row (the stored state is given as the input), and its other weights (the final norm) from
+    `tensors`: {name as its definition saves it: tensor}. Memory: the draft vocabulary's rows, not the verifier's."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -62,15 +64,18 @@ def own_head(model_path, text_cfg, tensors, trust_remote_code):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     base = getattr(model, model.base_model_prefix)
     del base.layers[:]  # no decoder layer: the stored state is the last layer's output
+    hidden = head.shape[1]
+    with torch.device("meta"):
+        model.set_input_embeddings(torch.nn.Embedding(1, hidden))
+        model.set_output_embeddings(torch.nn.Linear(hidden, head.shape[0], bias=False))
     model.to_empty(device="cpu")
     model.float()
-    state = model.state_dict()
-    for name in state:
-        if name in tensors:
-            with torch.no_grad():
+    with torch.no_grad():
+        model.get_output_embeddings().weight.copy_(head)
+        state = model.state_dict()
+        for name in state:
+            if name in tensors and tensors[name].shape == state[name].shape:
                 state[name].copy_(tensors[name].float())
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
     return model.eval()
 
 
@@ -85,11 +90,6 @@ def _read_weights(model_path, names):
             with safe_open(os.path.join(model_path, table[stored][2]), "pt") as f:
                 out[want] = f.get_tensor(stored)
     return out
-
-
-def _distributions(logits, ids):
-    import torch
-    return torch.log_softmax(logits[..., ids].float(), dim=-1)
 
 
 def check(s, tc, ext, rows, failed, draft_arch):
@@ -144,10 +144,13 @@ def _check(s, tc, ext, rows, failed, draft_arch):
         raise UsageError(f"--model-path {s.model_path}: transformers does not know model_type {tc.get('model_type')!r}, "
                          f"so the training targets cannot be checked against the verifier's own distribution")
     stored = verifier_weights.stored_names({k: (v[0], v[1], None, None, v[2]) for k, v in table.items()}, d)
-    names = {n: stored(n) for n in d.tensors if ".layers." not in n}  # the final norm, the head, the embeddings
-    model = own_head(s.model_path, tc, _read_weights(s.model_path, names), s.trust_remote_code)
+    embed, out = d.embedding, "lm_head.weight"
+    names = {n: stored(n) for n in d.tensors if ".layers." not in n and n not in (embed, out)}  # the final norm
+    own_rows = _read_weights(s.model_path, {"head": stored(out if out in d.tensors and out not in d.tied else embed)})
+    model = own_head(s.model_path, tc, _read_weights(s.model_path, names), own_rows["head"].float()[ids],
+                     s.trust_remote_code)
     with torch.no_grad():
-        own = _distributions(model(inputs_embeds=h[None], use_cache=False).logits[0], ids)  # [P, V_draft]
+        own = torch.log_softmax(model(inputs_embeds=h[None], use_cache=False).logits[0].float(), -1)  # [P, V_draft]
         final = getattr(getattr(model, model.base_model_prefix), "norm", None)
 
         def compare(norm):

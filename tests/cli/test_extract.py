@@ -71,13 +71,24 @@ def test_huge_batch_is_refused_or_explained(model_path, tmp_path):
 
 def test_dry_run_prints_the_plan_and_loads_no_model(prep, model_path, tmp_path):
     from eagle3pipe import compute
-    p, secs = extract(model_path, prep, tmp_path / "hs", "--dry-run")
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # a user's cache with no verifier definition kept yet
+    p, secs = extract(model_path, prep, tmp_path / "hs", "--dry-run", env=cache)
     assert p.returncode == 0, p.stderr
     assert "layer ids: [2, 15, 27, 30]" in p.stdout and "disk:" in p.stdout and "memory:" in p.stdout
     # the weights against the model the config defines: transformers builds it on the meta device (no engine, no
     # weight read), the last check before the folder would be taken
     assert "  weights: 272 tensors (0.25 GiB) match the LlamaForCausalLM its config defines\n" in p.stdout, p.stdout
     assert "vllm" not in p.heavy and "speculators" not in p.heavy and not (tmp_path / "hs").exists(), p.heavy
+    # the definition is kept: the next dry run checks the same weights without importing anything heavy
+    assert len(os.listdir(tmp_path / "cache" / "eagle3pipe" / "definitions")) == 1
+    p, _ = extract(model_path, prep, tmp_path / "hs", "--dry-run", env=cache)
+    assert p.returncode == 0 and "  weights: 272 tensors (0.25 GiB) match" in p.stdout and loaded_nothing(p), p.heavy
+    # a kept definition that does not read as one is ignored and made again
+    [kept] = (tmp_path / "cache" / "eagle3pipe" / "definitions").iterdir()
+    kept.write_text('{"arch": 1}')
+    p, _ = extract(model_path, prep, tmp_path / "hs", "--dry-run", env=cache)
+    assert p.returncode == 0 and "  weights: 272 tensors (0.25 GiB) match" in p.stdout and "torch" in p.heavy
+    assert '"LlamaForCausalLM"' in kept.read_text()
     # the compute dtype and its reason, before anything loads: what auto picks on this machine, or what was asked
     assert f"  {compute.resolve('auto', on_gpu=False).describe()}\n" in p.stdout
     p, _ = extract(model_path, prep, tmp_path / "hs", "--dry-run", "--dtype", "float32")
