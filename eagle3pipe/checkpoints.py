@@ -288,8 +288,9 @@ def print_serve_command(args, out, text_cfg, on_cpu, arch, architecture=None):
     last = os.path.join(out, "last")
     log.info(f"checkpoint: {last} -> {os.path.realpath(last)}")
     unserved = eagle3_refusal(architecture)
-    if unserved:
+    if unserved:  # no command this vLLM runs: none printed
         log.warning(f"{unserved}; serve it with a vLLM that has EAGLE-3 support for {architecture}")
+        return
     blocker = eagle3_blocker(text_cfg, not on_cpu, mla_draft=arch.mla)
     where = f" (on a GPU machine: {blocker})" if blocker else ""
     elsewhere = bool(blocker) or not on_cpu  # a GPU machine serves with vLLM's GPU build, installed here or not

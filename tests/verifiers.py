@@ -164,3 +164,29 @@ def dense(out, tokenizer_from, config_class, layers=8, hidden=64, heads=4, seed=
                 param.normal_(0.0, 0.5)
     model.save_pretrained(out)
     return out
+
+
+def stage04_plan(model, d, out):
+    """Stage 04's plan (every check, the targets' included) on stages 01-03's folders `d`, in this process."""
+    from conftest import load_script
+    from eagle3pipe import train_plan
+    args = load_script("04_train.py").parse_args(
+        ["--model-path", str(model), "--prepared-data", str(d["prepared"]), "--hidden-states", str(d["hs"]),
+         "--vocab-mapping", str(d["vocab"]), "--output-dir", str(out), "--total-seq-len", "1024",
+         "--measure-prompts", "0"])
+    return train_plan.plan(args, 0)
+
+
+def stages_01_to_03(model, root):
+    """Stages 01 (8 rows), 02 (HF, float32) and 03 (1,024 tokens) on `model` under `root` -> their folders."""
+    from conftest import run_script
+    d = {k: root / k for k in ("prepared", "hs", "vocab")}
+    for argv in (["01_prepare_dataset.py", "--model-path", model, "--num-samples", "8", "--max-seq-len", "256",
+                  "--output-dir", str(d["prepared"])],
+                 ["02_extract_hidden_states.py", "--backend", "hf", "--model-path", model, "--prepared-data",
+                  str(d["prepared"]), "--output-dir", str(d["hs"]), "--max-seq-len", "256", "--dtype", "float32"],
+                 ["03_build_vocab_mapping.py", "--prepared-data", str(d["prepared"]), "--draft-vocab-size", "1024",
+                  "--output-dir", str(d["vocab"])]):
+        p, _ = run_script(*argv)
+        assert p.returncode == 0, p.stderr[-3000:]
+    return d

@@ -390,8 +390,8 @@ def test_an_alternating_template_loses_only_the_opening_assistant_turn(tokenizer
 
 def test_a_template_that_marks_no_answer_or_only_answers_is_refused_naming_it(model_path, tmp_path):
     """Fail closed: a chat template under which no conversation has an assistant token to train (the answers are not
-    rendered), or under which every token is an answer (no prompt is rendered), is refused in one line naming the
-    template, never trained on an all-zero or all-one mask."""
+    rendered: no render puts them anywhere), or under which every token is an answer (no prompt is rendered), is
+    refused in one line naming the template, never trained on an all-zero or all-one mask."""
     import json
     from conftest import model_with_template, run_script
     data = tmp_path / "chats.jsonl"
@@ -399,7 +399,7 @@ def test_a_template_that_marks_no_answer_or_only_answers_is_refused_naming_it(mo
     for name, template, says in (
             ("blind", "{% for m in messages %}{% if m.role == 'user' %}<|im_start|>{{ m.content }}<|im_end|>"
                       "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>{% endif %}",
-             "its chat template marks no assistant turn in any of the 3 conversations it rendered"),
+             "its chat template renders 6 of 6 assistant turns where no render up to them puts them"),
             ("answers", "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}<|im_end|>{% endif %}"
                         "{% endfor %}",
              "its chat template renders the 3 conversations as answer text alone")):

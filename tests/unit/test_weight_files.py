@@ -2,6 +2,7 @@
 verifiers through quantization.tensor_table: every malformed header or index is one line naming --model-path and the
 file, never a library's traceback. The files are written byte by byte here: no torch, no model."""
 import json
+import os
 import struct
 
 import pytest
@@ -107,3 +108,23 @@ def test_without_an_index_every_file_is_read_as_vllm_loads_a_folder(tmp_path):
     assert set(quantization.tensor_table(str(tmp_path))) == {"a", "b"}
     _file(tmp_path / "weights-c.safetensors", {"a": ("F32", [2, 2], [0, 16])})
     _refused(tmp_path, "weights-c.safetensors: tensor a is also in weights-a.safetensors")
+
+
+def test_a_kept_definition_that_does_not_read_as_one_is_made_again(tmp_path, monkeypatch):
+    """verifier_weights keeps each verifier's definition as JSON in the user's cache; a file there that is not one
+    (cut, edited, another version's) is ignored, never trusted, and written anew."""
+    from eagle3pipe import verifier_weights as vw
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    d = vw.Definition("LlamaForCausalLM", {"model.norm.weight": ([8], True)}, frozenset(), (), (), "model",
+                      "model.embed_tokens.weight")
+    path = vw._cache_file({"model_type": "llama", "hidden_size": 8})
+    assert path.startswith(str(tmp_path / "eagle3pipe" / "definitions")) and vw._cached(path) is None
+    vw._keep(path, d)
+    assert vw._cached(path) == d and oct(os.stat(path).st_mode & 0o777) == "0o600"
+    for bad in ('{"arch": 1}', "[", '{"arch": "X", "tensors": {"w": [["8"], true]}, "tied": [], "skip": [], '
+                                    '"spare": [], "base": "model", "embedding": "e"}'):
+        with open(path, "w") as f:
+            f.write(bad)
+        assert vw._cached(path) is None
+    vw._keep(path, d)
+    assert vw._cached(path) == d

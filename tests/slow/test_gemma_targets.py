@@ -1,0 +1,42 @@
+"""Stage 04 trains a Gemma 3 draft through the verifier's own final norm (its log says so before step 1, the
+checkpoint holds no verifier norm, and no serve command this vLLM cannot run is printed), and refuses a Gemma 2 whose
+logit cap moves the distribution (eagle3pipe/target_check.py; the plan-level checks: tests/e2e/test_targets.py)."""
+import os
+
+import pytest
+
+from conftest import run_script
+from verifiers import stage04_plan as _plan, stages_01_to_03 as _stages
+
+
+def test_gemma_trains_through_its_own_norm_and_a_capped_family_is_refused(model_path, tmp_path):
+    from eagle3pipe.errors import UsageError
+    from verifiers import dense
+    gemma3 = dense(str(tmp_path / "gemma3"), model_path, "Gemma3TextConfig", layers=8, head_dim=16,
+                   sliding_window=64, layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2)
+    d = _stages(gemma3, tmp_path / "g3")
+    v = _plan(gemma3, d, tmp_path / "out3").targets
+    assert v.use_own_norm and v.top1 >= 0.99 and v.kl < 1e-3 and v.default_top1 < 0.9, v
+    assert "with the verifier's own final norm in speculators' place" in v.describe()
+    # trained that way: the run says so before its first step, and its checkpoint holds no verifier norm
+    out = tmp_path / "ckpt3"
+    p, _ = run_script("04_train.py", "--model-path", gemma3, "--prepared-data", str(d["prepared"]), "--hidden-states",
+                      str(d["hs"]), "--vocab-mapping", str(d["vocab"]), "--output-dir", str(out), "--total-seq-len",
+                      "512", "--max-steps", "2", "--measure-prompts", "0", "--log-every", "1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "with the verifier's own final norm in speculators' place" in p.stderr, p.stderr[-3000:]
+    # this vLLM cannot serve a Gemma 3 draft: said, and no serve command that cannot work is printed
+    assert "serve it with a vLLM that has EAGLE-3 support for Gemma3ForCausalLM" in p.stderr, p.stderr[-2000:]
+    assert "serve it" not in p.stdout, p.stdout[-2000:]
+    from safetensors import safe_open
+    with safe_open(os.path.join(os.path.realpath(out / "last"), "model.safetensors"), "pt") as f:
+        assert not any(k.startswith("verifier_norm") for k in f.keys())
+    # Gemma 2 also caps its logits (c * tanh(x / c)): the same top token, another distribution (c = 30 in its real
+    # configs, where logits reach it; a random model's stay small, so the cap here is where they are)
+    gemma2 = dense(str(tmp_path / "gemma2"), model_path, "Gemma2Config", layers=8, head_dim=16,
+                   final_logit_softcapping=0.02)
+    d = _stages(gemma2, tmp_path / "g2")
+    with pytest.raises(UsageError, match=r"speculators would train the draft toward targets that are not the "
+                                         r"verifier's: .* a Gemma2ForCausalLM's own next token .* its family \(gemma2\) "
+                                         r"computes its logits otherwise"):
+        _plan(gemma2, d, tmp_path / "out2")
