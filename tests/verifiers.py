@@ -166,6 +166,13 @@ def dense(out, tokenizer_from, config_class, layers=8, hidden=64, heads=4, seed=
     return out
 
 
+def gemma3(out, tokenizer_from):
+    """A random 8-layer Gemma 3 (three sliding-window layers to one full, norm weights random: its own norm,
+    `x * (1 + w)`, differs from speculators' only where w is not 0)."""
+    return dense(out, tokenizer_from, "Gemma3TextConfig", layers=8, head_dim=16, sliding_window=64,
+                 layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2)
+
+
 def stage04_plan(model, d, out):
     """Stage 04's plan (every check, the targets' included) on stages 01-03's folders `d`, in this process."""
     from conftest import load_script

@@ -42,13 +42,16 @@ def _verify(path, trust=False):
     return verify(str(path), trust)
 
 
-@pytest.mark.parametrize("family", sorted(ARCH))
+DEFAULT = ("gemma3", "int4", "llama")  # the rest (qwen3, mixtral, deepseek_v3): tests/slow/test_families.py
+
+
+@pytest.mark.parametrize("family", DEFAULT)
 def test_each_family_matches_its_definition_and_every_generated_fault_is_named(family, families, tmp_path):
     from eagle3pipe.errors import UsageError
     src = families[family]
     trust = family == "int4"  # its tokenizer ships as code, as Kimi-K2.5's does
     line = _verify(src, trust)
-    assert f"tensors" in line and f"match the {ARCH[family]} its config defines" in line, line
+    assert f"match the {ARCH[family]} its config defines" in line, line
     n = len(tensors_of(src))
     assert line.startswith(f"{n:,} tensors"), (line, n)  # every tensor claimed by the definition
     # the same tensors over two shards with an index: the same verdict
@@ -151,9 +154,6 @@ def test_every_stage_that_loads_the_verifier_refuses_a_missing_tensor_before_it_
     out = tmp_path / "out"
     p, _ = run_script("02_extract_hidden_states.py", "--model-path", m, "--prepared-data", str(d["prepared"]),
                       "--output-dir", str(out), "--max-seq-len", "256", "--dry-run")
-    _refused_before_load(p, out)
-    p, _ = run_script("02_extract_hidden_states.py", "--model-path", m, "--prepared-data", str(d["prepared"]),
-                      "--output-dir", str(out), "--max-seq-len", "256", "--backend", "hf")
     _refused_before_load(p, out)
     p, _ = run_script("04_train.py", "--online", "--backend", "hf", "--model-path", m, "--prepared-data",
                       str(d["prepared"]), "--vocab-mapping", str(d["vocab"]), "--output-dir", str(out),

@@ -11,16 +11,12 @@ from verifiers import stage04_plan as _plan, stages_01_to_03 as _stages
 
 def test_gemma_trains_through_its_own_norm_and_a_capped_family_is_refused(model_path, tmp_path):
     from eagle3pipe.errors import UsageError
-    from verifiers import dense
-    gemma3 = dense(str(tmp_path / "gemma3"), model_path, "Gemma3TextConfig", layers=8, head_dim=16,
-                   sliding_window=64, layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 2)
-    d = _stages(gemma3, tmp_path / "g3")
-    v = _plan(gemma3, d, tmp_path / "out3").targets
-    assert v.use_own_norm and v.top1 >= 0.99 and v.kl < 1e-3 and v.default_top1 < 0.9, v
-    assert "with the verifier's own final norm in speculators' place" in v.describe()
-    # trained that way: the run says so before its first step, and its checkpoint holds no verifier norm
+    from verifiers import dense, gemma3
+    model = gemma3(str(tmp_path / "gemma3"), model_path)
+    d = _stages(model, tmp_path / "g3")
+    # trained through its own norm (the check: tests/e2e/test_targets.py): the run says so before its first step, and its checkpoint holds no verifier norm
     out = tmp_path / "ckpt3"
-    p, _ = run_script("04_train.py", "--model-path", gemma3, "--prepared-data", str(d["prepared"]), "--hidden-states",
+    p, _ = run_script("04_train.py", "--model-path", model, "--prepared-data", str(d["prepared"]), "--hidden-states",
                       str(d["hs"]), "--vocab-mapping", str(d["vocab"]), "--output-dir", str(out), "--total-seq-len",
                       "512", "--max-steps", "2", "--measure-prompts", "0", "--log-every", "1")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -40,3 +36,14 @@ def test_gemma_trains_through_its_own_norm_and_a_capped_family_is_refused(model_
                                          r"verifier's: .* a Gemma2ForCausalLM's own next token .* its family \(gemma2\) "
                                          r"computes its logits otherwise"):
         _plan(gemma2, d, tmp_path / "out2")
+
+
+def test_gemma_targets_go_through_its_own_norm(model_path, tmp_path):
+    """A random Gemma 3 (norm weights random): speculators' default targets agree with its own on few positions;
+    through its own final norm on all of them (training that way, and Gemma 2's cap refused: below)."""
+    from verifiers import gemma3
+    model = gemma3(str(tmp_path / "gemma3"), model_path)
+    d = _stages(model, tmp_path / "g3")
+    v = _plan(model, d, tmp_path / "out3").targets
+    assert v.use_own_norm and v.top1 >= 0.99 and v.kl < 1e-3 and v.default_top1 < 0.9, v
+    assert "with the verifier's own final norm in speculators' place" in v.describe()
