@@ -79,11 +79,9 @@ def own_head(model_path, text_cfg, tensors, head, trust_remote_code):
     return model.eval()
 
 
-def _read_weights(model_path, names):
-    """{name as saved: tensor} of the verifier's non-layer weights, through its headers' file names."""
+def _read_weights(model_path, table, names):
+    """{want: tensor} for {want: the checkpoint's name}; `table`: quantization.tensor_table's (read once)."""
     from safetensors import safe_open
-    from .quantization import tensor_table
-    table = tensor_table(model_path)
     out = {}
     for want, stored in names.items():
         if stored in table:
@@ -132,7 +130,7 @@ def _check(s, tc, ext, rows, failed, draft_arch):
     # speculators' targets, from the tensors it would load (its own name resolution) and its own norm class
     table = tensor_table(s.model_path)
     found = {n: _resolve_key(n, table) for n in ("embed_tokens.weight", "lm_head.weight", "model.norm.weight")}
-    w = {n: t for n, t in _read_weights(s.model_path, {n: k for n, k in found.items() if k}).items()}
+    w = _read_weights(s.model_path, table, {n: k for n, k in found.items() if k})
     head = w.get("lm_head.weight", w["embed_tokens.weight"]).float()[ids]   # [V_draft, H]
     norm_class = _norm_class(draft_arch)
     spec_norm = norm_class(h.shape[-1], eps=tc.get("rms_norm_eps") or 1e-6)
@@ -146,8 +144,9 @@ def _check(s, tc, ext, rows, failed, draft_arch):
     stored = verifier_weights.stored_names({k: (v[0], v[1], None, None, v[2]) for k, v in table.items()}, d)
     embed, out = d.embedding, "lm_head.weight"
     names = {n: stored(n) for n in d.tensors if ".layers." not in n and n not in (embed, out)}  # the final norm
-    own_rows = _read_weights(s.model_path, {"head": stored(out if out in d.tensors and out not in d.tied else embed)})
-    model = own_head(s.model_path, tc, _read_weights(s.model_path, names), own_rows["head"].float()[ids],
+    own_rows = _read_weights(s.model_path, table,
+                             {"head": stored(out if out in d.tensors and out not in d.tied else embed)})
+    model = own_head(s.model_path, tc, _read_weights(s.model_path, table, names), own_rows["head"].float()[ids],
                      s.trust_remote_code)
     with torch.no_grad():
         own = torch.log_softmax(model(inputs_embeds=h[None], use_cache=False).logits[0].float(), -1)  # [P, V_draft]
