@@ -31,9 +31,9 @@ def parse_args(argv=None):
     p.add_argument("--num-samples", type=int, default=None, help="use the first N records (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the output row order")
     p.add_argument("--num-workers", type=int, default=None,
-                   help="processes that render and tokenize the conversations (0 or 1: this one; default: one under "
-                        "1,000 records or with --regenerate, else one per CPU core up to 32); the rows are the same "
-                        "for any number")
+                   help="worker processes that render and tokenize the conversations (0: this process, where a "
+                        "template stuck in one C call cannot be stopped; default: one under 1,000 records, none with "
+                        "--regenerate, else one per CPU core up to 32); the rows are the same for any number")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi)")
     p.add_argument("--regenerate", action="store_true",
                    help="the verifier (vLLM) rewrites every assistant turn first: on-policy data")

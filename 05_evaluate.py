@@ -48,6 +48,11 @@ def parse_args(argv=None):
                    help="also measure acceptance without vLLM (eagle3pipe/acceptance.py: the verifier's greedy "
                         "continuations through transformers in float32, then one forward per draft) and report it "
                         "beside vLLM's figure; auto: on when the verifier's weights are at most 10 GB")
+    p.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
+                   help="measure through vLLM (acceptance and speed-up); auto: where vLLM is installed and serves the "
+                        "verifier's family and the draft on this machine, else the acceptance measure alone "
+                        "(--measure's, per position, labelled so; speed-up needs vLLM); on: refuse where it cannot "
+                        "run; off: the measure alone (a training cluster without the serving engine)")
     p.add_argument("--dry-run", action="store_true", help="run every check (the drafts' configs and weights' headers, "
                    "the flags against the verifier and the GPUs, the prompts' lengths), then stop: nothing loaded or "
                    "written")

@@ -8,17 +8,23 @@ then stalls), and a chat template (Jinja code the operator did not write, which 
   moves it.
 - `worker_seconds` bounds stage 01's wait on one worker's chunk of conversations (about a second's work; a worker
   stopped or stuck in a lock inherited across the fork never answers). `EAGLE3_WORKER_TIMEOUT_S` moves it.
+- A render's alarm interrupts Python code only: one C call (a Jinja expression that builds a 10 GB string) runs to
+  its end deaf to it. Renders of what the operator gave therefore run in worker processes that write where their
+  render must end (`Watch`): the stage kills a worker still rendering `overdue_grace()` past that point.
 A wait past its deadline is one line naming what was waited on: exit 2 for what the operator gave (the hub, a
 template), 1 for a worker.
 Nothing here imports a heavy library.
 """
 import contextlib
 import math
+import multiprocessing
 import os
 import queue
 import signal
 import threading
+import time
 
+from . import faults
 from .errors import UsageError
 
 
@@ -134,7 +140,8 @@ class TemplateTimeout(BaseException):
 @contextlib.contextmanager
 def time_budget(seconds):
     """Interrupt the Python code in the `with` block (a Jinja render is Python code) once `seconds` pass, with
-    TemplateTimeout. Needs the main thread (SIGALRM); elsewhere the block runs unbounded."""
+    TemplateTimeout. Needs the main thread (SIGALRM); elsewhere the block runs unbounded. In a watched worker the
+    block's end is also written where the stage sees it (Watch), for a C call the alarm cannot interrupt."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -142,9 +149,54 @@ def time_budget(seconds):
     def expire(signum, frame):
         raise TemplateTimeout()
     previous = signal.signal(signal.SIGALRM, expire)
+    if _watched is not None:
+        _watched[0].ends[_watched[1]] = time.monotonic() + seconds
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
+        faults.deaf_point("render")
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if _watched is not None:
+            _watched[0].ends[_watched[1]] = 0.0
+
+
+_watched = None  # (Watch, slot) in a watched worker process
+
+
+def overdue_grace(seconds):
+    """How long past a render's end the stage waits before it kills the worker: the alarm ends Python code within
+    milliseconds, so this only spares a loaded machine's slow process."""
+    return 2.0 + 0.2 * seconds
+
+
+class Watch:
+    """Where each of a pool's worker processes must end its current render (CLOCK_MONOTONIC, one clock for every
+    process of the machine; 0: not rendering) and which item it is on, in memory the stage shares with the workers
+    it forks. A worker takes its slot as it starts (join)."""
+
+    def __init__(self, workers):
+        self.ends = multiprocessing.RawArray("d", workers)
+        self.items = multiprocessing.RawArray("q", workers)
+        self.taken = multiprocessing.Value("i", 0)
+
+    def join(self):
+        global _watched
+        with self.taken.get_lock():
+            slot, self.taken.value = self.taken.value, self.taken.value + 1
+        _watched = (self, slot)
+
+    @staticmethod
+    def working_on(item):
+        """In a worker: the item its next renders are for."""
+        if _watched is not None:
+            _watched[0].items[_watched[1]] = item
+
+    def overdue(self, grace):
+        """The item a worker has rendered for more than `grace` seconds past its render's end, or None."""
+        now = time.monotonic()
+        for end, item in zip(self.ends, self.items):
+            if end and now > end + grace:
+                return item
+        return None

@@ -1,10 +1,12 @@
 """Stage 05's plan: every check on the verifier, the drafts, the prompts and the flags, resolved once into a frozen
 record before anything heavy loads or the output folder is taken (a mistake costs seconds, not a verifier's load)."""
 import dataclasses
+import functools
 import logging
 import os
+from typing import Optional
 
-from . import cli, compute, conversations, files, heldout, outdir, verifier, vllm_support
+from . import cli, compute, conversations, files, heldout, masks, outdir, tokenize_workers, verifier, vllm_support
 
 log = logging.getLogger("eagle3")
 
@@ -23,27 +25,52 @@ class Plan:
     gpus: list
     train_metrics: list     # stage 04's metrics.jsonl of the first draft (the plot)
     warnings: list          # said once the folder is taken (all of them, in the dry run)
+    without_vllm: Optional[str] = None  # why vLLM does not run (the measure alone is reported), or None: it does
+
+
+def vllm_absent_reason(args, fp, tc, gpus, drafts, dtype):
+    """Why vLLM cannot measure these drafts here (not installed; no EAGLE-3 for the family; an engine that would die
+    at start on this machine), or None: it can. Found from files and flags, before anything loads. Without `drafts`,
+    what the verifier alone tells."""
+    from . import engine
+    from .mla_draft import is_mla_checkpoint
+    if not vllm_support.installed():
+        return "vLLM is not installed here"
+    unserved = vllm_support.eagle3_refusal(fp.get("architecture"))
+    if unserved or drafts is None:  # the baseline engine would run first, then the speculative one die as it started
+        return unserved
+    blocker = engine.eagle3_blocker(tc, bool(gpus), mla_draft=all(is_mla_checkpoint(p) for _, p in drafts),
+                                    dtype=dtype.dtype)
+    return f"cannot evaluate an eagle3 draft here: {blocker}" if blocker else None
+
+
+def engine_choice(args, why):
+    """--vllm against what this machine can run -> the reason the measure stands alone, or None (vLLM measures).
+    Refused: --vllm on where vLLM cannot run, and no measure at all."""
+    if args.vllm == "on" and why:
+        raise cli.UsageError(f"--model-path {args.model_path}: {why}; --vllm on: run stage 05 where vLLM serves the "
+                             f"draft, or without --vllm on for the acceptance measure alone")
+    alone = "--vllm off" if args.vllm == "off" else why
+    if alone and args.measure == "off":
+        raise cli.UsageError(f"--measure off: without vLLM ({alone}) stage 05 would measure nothing; drop "
+                             f"--measure off")
+    return alone
 
 
 def plan(args):
     """-> Plan. Raises cli.UsageError naming the flag, file or record at the first problem."""
-    from . import draft_check, engine, evaluation
-    from .mla_draft import is_mla_checkpoint
+    from . import draft_check, evaluation
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
-    unserved = vllm_support.eagle3_refusal(fp.get("architecture"))
-    if unserved:  # the baseline engine ran first, then the speculative one died as it started
-        raise cli.UsageError(f"--model-path {args.model_path}: {unserved}")
+    if args.vllm == "on":  # what the verifier alone tells, before the drafts are read
+        engine_choice(args, vllm_absent_reason(args, fp, tc, None, None, None))
     verifier.check_chat_files(args.model_path)
     gpus = compute.visible_gpus()
     draft_check.check_run(args, fp, tc, gpus)  # the flags against the verifier's positions and the GPUs
     conversations.check_dataset(args.prompts, "--prompts")
     drafts, mismatches = evaluation.drafts_to_measure(args.draft, fp, tc, args.tp_size, args.num_speculative_tokens)
     dtype = compute.resolve(args.dtype, bool(gpus))
-    blocker = engine.eagle3_blocker(tc, bool(gpus), mla_draft=all(is_mla_checkpoint(p) for _, p in drafts),
-                                    dtype=dtype.dtype)
-    if blocker:  # refused in seconds, not after the verifier's load
-        raise cli.UsageError(f"--model-path {args.model_path}: cannot evaluate an eagle3 draft here: {blocker}; run "
-                             f"stage 05 on a GPU machine")
+    # in seconds, not after the verifier's load
+    without_vllm = engine_choice(args, vllm_absent_reason(args, fp, tc, gpus, drafts, dtype))
     inputs = [("--model-path", args.model_path), ("--prompts", args.prompts), ("--prepared-data", args.prepared_data)]
     for d in args.draft:  # nothing goes inside a draft's stage 04 folder
         run = os.path.dirname(os.path.realpath(d)) if os.path.isfile(os.path.join(d, "config.json")) else d
@@ -58,16 +85,20 @@ def plan(args):
     # against the model its config defines, then the prompts' tokens
     from .verifier_weights import verify
     verify(args.model_path, args.trust_remote_code)  # said once the folder is taken (announce, dry_run)
-    from .masks import PromptTooLong, load_tokenizer, prompt_ids
-    tok = load_tokenizer(args.model_path, args.trust_remote_code)
+    tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
     maxpos, ids = fp.get("max_position_embeddings"), []
     at_most = maxpos if isinstance(maxpos, int) and maxpos > 0 else None
-    for i, p in enumerate(prompts):  # each render within the template's time budget
-        try:
-            ids.append(prompt_ids(tok, p, at_most, tools[i]))
-        except PromptTooLong as e:  # refused by its length alone, before minutes of tokenizing
-            raise cli.UsageError(f"--prompts {wheres[i]}: a prompt of {e}; the verifier's {maxpos} positions leave "
-                                 f"no room for an answer: give prompts without it")
+    # each render within the template's time budget, in a worker process this stage kills if one C call outlasts it
+    work = functools.partial(masks.prompt_outcome, tok, at_most)
+    slow = lambda i, seconds: cli.UsageError(f"--prompts {wheres[i]}: {masks.too_slow(tok, seconds)}")  # noqa: E731
+    for i, (kind, *got) in enumerate(tokenize_workers.mapped(list(zip(prompts, tools)), work,
+                                                             tokenize_workers.count(None, len(prompts)), slow)):
+        if kind == "long":  # refused by its length alone, before minutes of tokenizing
+            raise cli.UsageError(f"--prompts {wheres[i]}: a prompt of {got[0]}; the verifier's {maxpos} positions "
+                                 f"leave no room for an answer: give prompts without it")
+        if kind in ("slow", "panic"):
+            raise cli.UsageError(f"--prompts {wheres[i]}: {got[0]}")
+        ids.append(got[0])
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
     max_len = draft_check.max_model_len(len(ids[longest]), args, maxpos, wheres[longest])
     fewer = (f"--num-prompts {args.num_prompts}: {args.prompts} holds {len(prompts)} usable prompts after the first "
@@ -76,7 +107,16 @@ def plan(args):
               f"copy of its data?); skipped") if seen.get("trained") else None
     return Plan(fp=fp, drafts=drafts, mismatches=mismatches, inputs=inputs, skip=skip, prompts=prompts, ids=ids,
                 max_model_len=max_len, dtype=dtype, gpus=gpus, train_metrics=train_metrics,
-                warnings=[w for w in [unknown, cut, fewer, copied] + mismatches if w])
+                warnings=[w for w in [unknown, cut, fewer, copied, alone_warning(without_vllm)] + mismatches if w],
+                without_vllm=without_vllm)
+
+
+def alone_warning(why):
+    if why:
+        return (f"no vLLM run ({why}): the acceptance measure alone is reported (eagle3pipe/acceptance.py: the "
+                f"verifier's greedy continuations through transformers, then one forward per draft; its figure equals "
+                f"vLLM's); speed-up needs vLLM")
+    return None
 
 
 def dry_run(args, p):

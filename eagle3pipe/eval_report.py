@@ -5,8 +5,24 @@ from . import files
 from .evaluation import explain, reconcile
 
 
+def versions():
+    """The engine and libraries behind the figures: a moved figure is read against them."""
+    import importlib.metadata
+    from .adapters import _dist
+    out = {}
+    for name in ("vllm", "torch", "transformers", "speculators"):
+        try:
+            dist = _dist(name) if name == "vllm" else importlib.metadata.distribution(name)
+            out[name] = dist.version if dist else None
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def build(args, plan, sizes, base, spec, ranking, measured):
     """-> the report (report.json): batch 1's figures are the headline, as in the ranking and the measure."""
+    if plan.without_vllm:
+        return build_measured(args, plan, ranking, measured)
     best = ranking[0]["draft"]
     diffs = spec[1].pop("divergences")
     return {
@@ -23,6 +39,22 @@ def build(args, plan, sizes, base, spec, ranking, measured):
         "baseline": {b: {k: v for k, v in r.items() if k != "outputs"} for b, r in base.items()},
         "speculative": {b: {k: v for k, v in r.items() if k != "outputs"} for b, r in spec.items()},
         "speedup": {b: round(spec[b]["tokens_per_s"] / base[b]["tokens_per_s"], 3) for b in sizes},
+        "engine": "vllm", "versions": versions(),
+    }
+
+
+def build_measured(args, plan, ranking, measured):
+    """The report of the measure alone: acceptance per draft and per position, by eagle3pipe/acceptance.py (its
+    figure equals vLLM's on the same outputs, tests/e2e), no speed-up (that needs vLLM)."""
+    best = ranking[0]
+    return {
+        "draft": best["draft"], "engine": "measure", "without_vllm": plan.without_vllm,
+        "acceptance_length": best["acceptance_length"], "per_position": best["per_position"],
+        "ranking": ranking if len(plan.drafts) > 1 else None, "num_prompts": len(plan.prompts),
+        "num_speculative_tokens": args.num_speculative_tokens, "max_new_tokens": args.max_new_tokens,
+        "config_mismatches": plan.mismatches, "reference_seconds": measured["reference_seconds"],
+        "speedup": None, "speedup_note": "speed-up needs vLLM: run stage 05 where vLLM serves the draft",
+        "versions": versions(),
     }
 
 
@@ -36,6 +68,8 @@ def write(out, args, plan, report):
 
 
 def print_table(args, report):
+    if report["engine"] == "measure":
+        return print_measured(args, report)
     print(f"\n{'batch':>5} {'accept len':>10} {'per-position acceptance':>26} {'tok/s base':>10} {'tok/s spec':>10} "
           f"{'speed-up':>8}")
     for b, s in report["speculative"].items():
@@ -46,6 +80,17 @@ def print_table(args, report):
         print(line)
     print(f"{explain(report['greedy_divergences'], report['num_prompts'])}; report: "
           f"{os.path.join(args.output_dir, 'report.json')}")
+
+
+def print_measured(args, report):
+    rows = report["ranking"] or [{"name": os.path.basename(report["draft"]), **report}]
+    print(f"\n{'checkpoint':>24} {'accept len':>10} {'per-position acceptance':>26}   (the measure without vLLM)")
+    for r in rows:
+        pos = " ".join(f"{x:.2f}" for x in r["per_position"])
+        print(f"{str(r['name'])[-24:]:>24} {r['acceptance_length'] or 0:>10.3f} {pos:>26}")
+    print(f"acceptance length {report['acceptance_length']} by the measure without vLLM ({report['without_vllm']}), "
+          f"k={report['num_speculative_tokens']}, {report['num_prompts']} prompts; best: {report['draft']}; "
+          f"{report['speedup_note']}; report: {os.path.join(args.output_dir, 'report.json')}")
 
 
 def _ranked(row):
@@ -94,16 +139,18 @@ def plot(report, train_metrics, path):
         order = sorted(ranking, key=lambda r: int(r["name"]) if str(r["name"]).isdigit() else 0)
         colors = ["tab:green" if r["draft"] == report.get("draft") else "tab:gray" for r in order]
         c.bar([str(r["name"]) for r in order], [r["acceptance_length"] or 0 for r in order], color=colors,
-              label="vLLM")
+              label="vLLM" if report["engine"] == "vllm" else "the measure without vLLM")
         if any(r["trainer"] for r in order):
             c.plot([str(r["name"]) for r in order], [r["trainer"] or float("nan") for r in order], "ko--",
                    label="trainer's estimate")
         c.set(title="acceptance length by checkpoint (best in green)", xlabel="epoch", ylabel="acceptance length",
               ylim=(1, None))
         c.legend()
-    for bs, r in report["speculative"].items():
+    curves = {f"batch {bs}": r for bs, r in report["speculative"].items()} if report["engine"] == "vllm" else \
+        {"the measure without vLLM": report}
+    for label, r in curves.items():
         if r.get("per_position"):
-            a.plot(range(1, len(r["per_position"]) + 1), r["per_position"], marker="o", label=f"batch {bs}")
+            a.plot(range(1, len(r["per_position"]) + 1), r["per_position"], marker="o", label=label)
     a.set(title=f"acceptance by draft position (mean length {report['acceptance_length']})",
           xlabel="draft position", ylabel="accepted fraction", ylim=(0, 1))
     a.legend()

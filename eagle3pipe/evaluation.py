@@ -136,6 +136,23 @@ def measure_without_vllm(args, drafts, prompt_ids, on_gpu, ranking):
                                                            for n, d in by_draft.items()}}
 
 
+def measure_alone(args, plan):
+    """Where vLLM does not run: acceptance.py's measure of every draft on the same prompts, ranked as vLLM's figures
+    are. -> run()'s tuple with no engine figures: ([], None, None, ranking, measure)."""
+    from . import acceptance
+    from .checkpoints import expected_acceptance
+    log.info("acceptance without vLLM: the verifier's greedy continuations in float32 through transformers, then one "
+             "forward per draft")
+    by_draft, ref_seconds = acceptance.measure_all(plan.drafts, args.model_path, plan.ids, args.num_speculative_tokens,
+                                                   args.max_new_tokens, "cuda" if plan.gpus else "cpu",
+                                                   args.trust_remote_code)
+    ranking = sorted(({"name": name, "draft": os.path.realpath(path), "trainer": expected_acceptance(_val_metrics(path)),
+                       **{k: by_draft[name][k] for k in ("acceptance_length", "per_position", "drafts", "accepted",
+                                                        "position_average", "seconds")}}
+                      for name, path in plan.drafts), key=lambda r: -(r["acceptance_length"] or 0))
+    return [], None, None, ranking, {"reference_seconds": ref_seconds}
+
+
 def _val_metrics(path):
     from .files import read_json
     p = os.path.join(path, "val_metrics.json")
@@ -311,6 +328,8 @@ def _generate_all(llm, prompt_ids, batch_sizes, params, draft, reference):
 def run(args, plan, log_path):
     """The baseline engine, then each draft's on the same prompts, then the measure without vLLM.
     -> (sizes, baseline figures by batch size, the best draft's figures by batch size, ranking, measure)."""
+    if plan.without_vllm:
+        return measure_alone(args, plan)
     sizes = sorted(set([1] + args.batch_sizes))
     common = dict(max_model_len=plan.max_model_len, on_gpu=bool(plan.gpus), tp=args.tp_size,
                   gpu_memory_utilization=args.gpu_memory_utilization,

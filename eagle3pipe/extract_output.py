@@ -85,6 +85,21 @@ def computed_dtypes(out, plan, extracted):
     return sorted(dtypes)
 
 
+def largest_scale(out, ok):
+    """The largest fp8 scale the folder's files hold, from the scale_max each file's header records (a header read
+    each: about a second for 17,600 files); None where a file records none (written before it was recorded). Stage 04
+    refuses a file whose scales reach past it (hidden_states.scales_outside)."""
+    from .hidden_states import hs_path, read_header
+    largest = 0.0
+    for i in ok:
+        note = (read_header(hs_path(out, i))[0].get("__metadata__") or {}).get("scale_max")
+        try:
+            largest = max(largest, float(note))
+        except (TypeError, ValueError):
+            return None
+    return largest if ok else None
+
+
 def record_compute_dtype(out, plan):
     """Before the first file of a run: its compute dtype into the run record, so a run killed or stopped before its
     manifest still counts once a rerun under another --dtype finishes the folder."""
@@ -128,11 +143,14 @@ def finish(args, plan, identity, rows, failed, stats):
                  "resumed": sum(r["resumed"] for r in reports), "shards": n} if reports else stats
         dtypes = sorted(set(dtypes).union(*(r.get("compute_dtypes", []) for r in reports)))
     ok, tokens, secs = len(rows) - len(failed), stats["tokens"], stats["seconds"]
+    scale_max = largest_scale(out, [i for i in range(len(rows)) if i not in failed]) if args.storage_dtype == "fp8" \
+        else None
     bytes_written = sum(len(rows[i]) for i in range(len(rows)) if i not in failed) * plan.disk_per_token
     faults.kill_point("end")
     files.write_json(os.path.join(out, files.MANIFEST), files.manifest(
         "extract", args, identity=identity, content_id=files.content_id(identity), verifier=plan.verifier,
         layer_ids=plan.layer_ids, layer_id_convention=verifier.LAYER_ID_CONVENTION, storage_dtype=args.storage_dtype,
+        fp8_scale_max=scale_max,
         # one dtype, or "mixed" when runs computing in both wrote this folder (compute_dtypes lists them)
         compute_dtype=dtypes[0] if len(dtypes) == 1 else "mixed" if dtypes else None, compute_dtypes=dtypes,
         compute_dtype_reason=plan.compute.reason if stats["tokens"] else None, prepared_data=os.path.abspath(plan.jsonl),

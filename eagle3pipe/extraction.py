@@ -21,7 +21,7 @@ from .rows import same_ids
 from .spool import remove_spool_file, wait_for_engine_file
 from .errors import UsageError, resume_hint
 from .hidden_states import (SCALES, check_file, check_header, finite, hs_path, load_checked, quantize_fp8, read_header,
-                            save)
+                            save, scale_note)
 
 log = logging.getLogger("eagle3")
 
@@ -149,7 +149,7 @@ class Writer:
                 if not adopted:
                     tensors, reason = self._tensors(i, result)
                     if tensors is not None:
-                        save(hs_path(self.out_dir, i), tensors)
+                        save(hs_path(self.out_dir, i), tensors, **scale_note(tensors))
                 self.on_done(i, reason)
             except Exception as e:  # a full disk, a dead filesystem: stop the run, do not skip samples
                 self.error = self.error or e

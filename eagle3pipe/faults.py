@@ -19,6 +19,9 @@ variable. Nothing here does anything unless a variable is set.
                                        acceptance measure): a stop that lands where a broad `except` stands;
                                        tokenize (stage 01, its --num-workers busy), tokenize-start (stage 01,
                                        its workers forked, stop signals blocked until they are set up)
+    EAGLE3_INJECT_DEAF=POINT[:N]       the Nth time this process reaches POINT, sit for an hour in one call that no
+                                       alarm interrupts (the stop signals still end it): render (inside a chat
+                                       template's time budget; what a Jinja expression building gigabytes does)
     EAGLE3_INJECT_OOM_ABOVE_TOKENS=N   raise torch's OutOfMemoryError for any stage 02 forward over N tokens
     EAGLE3_INJECT_OOM_AT_BATCH=N[:cpu] raise it at the Nth training batch of each stage 04 epoch, worded as CUDA
                                        words it (the words of a run that met three others on its card); with
@@ -28,6 +31,7 @@ variable. Nothing here does anything unless a variable is set.
 import os
 import signal
 import threading
+import time
 
 _counts, _lock = {}, threading.Lock()
 
@@ -53,6 +57,13 @@ def signal_point(name):
     sig, _, nth = rest.partition(":")
     if point == name and _nth("signal:" + name, nth):
         os.kill(os.getpid(), getattr(signal, "SIG" + sig))
+
+
+def deaf_point(name):
+    point, _, nth = os.environ.get("EAGLE3_INJECT_DEAF", "").partition(":")
+    if point == name and _nth("deaf:" + name, nth):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(3600)
 
 
 def oom_above():

@@ -30,6 +30,9 @@ _ST_DTYPES = {"torch.bfloat16": "BF16", "torch.float8_e4m3fn": "F8_E4M3", "torch
 _TORCH_DTYPES = {st: name.split(".")[1] for name, st in _ST_DTYPES.items()}  # "BF16" -> "bfloat16"
 
 
+SCALE_MIN = 1e-12  # quantize_fp8's least scale (a token of zeros)
+
+
 def hs_path(folder, i):
     return os.path.join(folder, HS_NAME.format(i))
 
@@ -43,7 +46,7 @@ def quantize_fp8(states):
     amax mapped to e4m3's largest value (448). Runs wherever `states` lives (on the GPU before the host copy)."""
     import torch
     x = states.float()
-    scale = (x.abs().amax(dim=(1, 2), keepdim=True) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    scale = (x.abs().amax(dim=(1, 2), keepdim=True) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=SCALE_MIN)
     return (x / scale).to(torch.float8_e4m3fn), scale
 
 
@@ -138,9 +141,11 @@ def check_header(path, n_tokens, n_states, hidden):
     return None
 
 
-def load_sample(path, n_states, hidden):
+def load_sample(path, n_states, hidden, scale_max=None):
     """A training sample read once and checked where it is read: header (shapes, dtypes, size), CRC-32 over the data
-    as read, finite values. -> (None, {name: tensor}) or (the reason, None). The file is read whole into one buffer
+    as read, finite values, fp8 scales within (0, scale_max] (stage 02's record of the largest it wrote: amax/448 of
+    the verifier's own states; a file whose scales reach past it holds states stage 02 never computed). -> (None,
+    {name: tensor}) or (the reason, None). The file is read whole into one buffer
     and the tensors are views of it (no second copy); the finite check is a min/max pass (NaN and +-inf reach one of
     them), 40x cheaper on a CPU than an elementwise isfinite over bf16 (bench/profile_loader.py)."""
     try:
@@ -167,7 +172,29 @@ def load_sample(path, n_states, hidden):
         return f"unreadable ({type(e).__name__}: {str(e)[:80]})", None
     if not finite(tensors[SCALES] if SCALES in tensors else tensors["hidden_states"]):
         return "non-finite values", None
+    if SCALES in tensors and tensors[SCALES].numel():
+        reason = scales_outside(tensors[SCALES], scale_max)
+        if reason:
+            return reason, None
     return None, tensors
+
+
+def scales_outside(scales, scale_max):
+    """Why fp8 `scales` are not stage 02's, or None: quantize_fp8 clamps each at SCALE_MIN and above; stage 02's
+    manifest records the largest it wrote (fp8_scale_max; None: a folder from before it was recorded)."""
+    import torch
+    lo, hi = (float(v) for v in torch.aminmax(scales.float()))
+    if lo < SCALE_MIN:
+        return f"fp8 scales down to {lo:.3g}, below the {SCALE_MIN:g} stage 02 clamps them at"
+    if scale_max is not None and hi > scale_max * (1 + 1e-6):
+        return f"fp8 scales up to {hi:.3g}, above the largest stage 02 wrote ({scale_max:.3g}, its manifest's fp8_scale_max)"
+    return None
+
+
+def scale_note(tensors):
+    """The header metadata that records an fp8 file's largest scale ({} for bf16): stage 02's manifest takes the
+    largest over its files (fp8_scale_max), the bound stage 04 holds every file to."""
+    return {"scale_max": repr(float(tensors[SCALES].max()))} if SCALES in tensors and tensors[SCALES].numel() else {}
 
 
 def _views(buf, start, header):

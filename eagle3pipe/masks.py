@@ -37,8 +37,41 @@ class ToolCallsNotRendered(TemplateError):
     """The template renders an assistant turn without a tool call it makes."""
 
 
+class TokenizerPanic(UsageError):
+    """The tokenizer's Rust code panicked (a pre-tokenizer regex past its backtracking limit): the verifier's files'
+    fault. pyo3 raises a PanicException, a BaseException no `except Exception` catches, with a traceback of 100
+    lines; this is its one line."""
+
+
+def _panic(e):
+    return type(e).__name__ == "PanicException"
+
+
+def _panic_line(tok, e):
+    why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return TokenizerPanic(f"the tokenizer of {getattr(tok, 'name_or_path', '') or 'the verifier'} panicked: {why}; "
+                          f"fix its tokenizer.json (a pre-tokenizer's regex?)")
+
+
+def _encode(tok, text, **kwargs):
+    """tok(text, add_special_tokens=False, **kwargs): the template already wrote BOS and friends into the text
+    (transformers' apply_chat_template(tokenize=True) does the same). A panic is one line."""
+    try:
+        return tok(text, add_special_tokens=False, **kwargs)
+    except BaseException as e:
+        if _panic(e):
+            raise _panic_line(tok, e) from None
+        raise
+
+
 class TemplateTooSlow(UsageError):
     """A render ran past its time budget: the template loops (a bug, or hostile); no conversation is worth the wait."""
+
+
+def too_slow(tok, seconds):
+    return TemplateTooSlow(f"the chat template of {getattr(tok, 'name_or_path', '') or 'the tokenizer'} did not "
+                           f"finish one render within {seconds:g} s (a loop, or one huge expression, in the template?); fix the template "
+                           f"(EAGLE3_TEMPLATE_TIMEOUT_S moves the limit)")
 
 
 def _budgeted(tok, fn, *args, **kwargs):
@@ -48,9 +81,7 @@ def _budgeted(tok, fn, *args, **kwargs):
         with time_budget(seconds):
             return fn(*args, **kwargs)
     except TemplateTimeout:
-        raise TemplateTooSlow(f"the chat template of {getattr(tok, 'name_or_path', '') or 'the tokenizer'} did not "
-                              f"finish one render within {seconds:g} s (a loop in the template?); fix the template "
-                              f"(EAGLE3_TEMPLATE_TIMEOUT_S moves the limit)")
+        raise too_slow(tok, seconds) from None
 
 
 def load_tokenizer(model_path, trust_remote_code=False):
@@ -64,7 +95,11 @@ def load_tokenizer(model_path, trust_remote_code=False):
                        f"the hub", model_path, trust_remote_code=trust_remote_code)
     except (UsageError, MemoryError):  # out of memory (`ulimit -v`) is this machine's, not the verifier's fault
         raise
-    except Exception as e:
+    except BaseException as e:
+        if not isinstance(e, Exception) and not _panic(e):
+            raise  # KeyboardInterrupt, SystemExit
+        if _panic(e):
+            raise UsageError(f"--model-path {model_path}: {_panic_line(None, e)}") from None
         # transformers refuses custom code without the opt-in in a multi-line message: say it in one line
         if isinstance(e, ValueError) and "trust_remote_code" in str(e):
             raise UsageError(f"--model-path {model_path}: the tokenizer ships its own code, which runs only with "
@@ -87,19 +122,6 @@ def render(tok, messages, generation_prompt, tools=None):
         raise
     except Exception as e:  # jinja2's raise_exception() and template bugs alike
         raise TemplateError(str(e).splitlines()[0] if str(e) else type(e).__name__)
-
-
-def probe_template(tok, records):
-    """Render the first record (rid, messages, tools) once, within the time budget: one line naming the template and
-    the record if it loops. A template that refuses the record is the loop's business (counted there), not a
-    refusal."""
-    for rid, messages, tools in records[:1]:
-        try:
-            assistant_spans(tok, messages, tools=tools)
-        except TemplateTooSlow as e:
-            raise UsageError(f"record {rid}: {e}")
-        except TemplateError:
-            pass
 
 
 class PromptTooLong(Exception):
@@ -129,7 +151,21 @@ def prompt_ids(tok, messages, at_most=None, tools=None):
     text = _budgeted(tok, tok.apply_chat_template, messages, tools=tools, add_generation_prompt=True, tokenize=False)
     if at_most is not None and len(text) > 2 * at_most * longest_token(tok):
         raise PromptTooLong(len(text) // (2 * longest_token(tok)), len(text))
-    return tok(text, add_special_tokens=False)["input_ids"]
+    return _encode(tok, text)["input_ids"]
+
+
+def prompt_outcome(tok, at_most, item):
+    """prompt_ids of one (messages, tools) as a worker hands it back (tokenize_workers.mapped): ("ok", ids), ("long",
+    why), ("slow", why) or ("panic", why)."""
+    messages, tools = item
+    try:
+        return ("ok", prompt_ids(tok, messages, at_most, tools))
+    except PromptTooLong as e:
+        return ("long", str(e))
+    except TemplateTooSlow as e:
+        return ("slow", str(e))
+    except TokenizerPanic as e:
+        return ("panic", str(e))
 
 
 MARK = "\u2063"  # appended to an answer to find where its text ends in a render: no template trims or parses it
@@ -316,7 +352,7 @@ def _offsets(tok, text):
     """(ids, [(start, end) characters of each token]) of `text` tokenized whole, or None where the tokenizer keeps
     no offsets (a Python tokenizer, a custom one)."""
     try:
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = _encode(tok, text, return_offsets_mapping=True)
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
     except (NotImplementedError, TypeError, ValueError, KeyError):
         return None
@@ -354,9 +390,7 @@ def tokenize_conversation(tok, messages, max_seq_len, tools=None):
         for text, m in pieces:
             if not text:
                 continue
-            # add_special_tokens=False: the template already wrote BOS and friends into the text
-            # (transformers' apply_chat_template(tokenize=True) does the same).
-            t = tok(text, add_special_tokens=False)["input_ids"]
+            t = _encode(tok, text)["input_ids"]
             ids += t
             mask += [m] * len(t)
             if len(ids) > max_seq_len:

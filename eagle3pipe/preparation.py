@@ -43,7 +43,7 @@ def tokenizer(args, records):
         from .verifier_weights import verify  # said by regenerate.run, once the folder is taken)
         verify(args.model_path, args.trust_remote_code)
     tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
-    masks.probe_template(tok, records)
+    tokenize_workers.probe(tok, records, args.max_seq_len)
     return tok
 
 
@@ -118,7 +118,7 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
             faults.kill_point("tokenize")  # the stage itself, its workers busy (tests/reliability)
             faults.signal_point("tokenize")
             calling += any(m.get("tool_calls") for m in messages)
-            if kind == "slow":  # a loop in the template: no record is worth the wait
+            if kind in ("slow", "panic"):  # a loop in the template, a tokenizer's panic: the verifier's files' fault
                 raise cli.UsageError(f"record {rid}: {result[0]}")
             if kind == "crash":  # a worker's unexpected failure, raised here as one process raises it
                 raise result[0]

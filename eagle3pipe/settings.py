@@ -118,7 +118,7 @@ class Prepare(Record):
     max_seq_len: int = rule(ge=2)
     num_samples: Optional[int] = rule(ge=1)
     seed: int = rule(ge=0, le=2**32 - 1)
-    num_workers: Optional[int] = rule(ge=0)  # 0 as 1 (this process): stage 04's key too, where 0 is meaningful
+    num_workers: Optional[int] = rule(ge=0)  # 0: this process (no worker); stage 04's key too
     trust_remote_code: bool = rule()
     regenerate: bool = rule()
     regen_temperature: float = rule(ge=0)
@@ -290,6 +290,7 @@ class Evaluate(Record):
     trust_remote_code: bool = rule()
     dtype: str = rule(choices=DTYPES)
     measure: str = rule(choices=("auto", "on", "off"))
+    vllm: str = rule(choices=("auto", "on", "off"))
     dry_run: bool = rule()
 
     MAX_SPECULATIVE_TOKENS = 32

@@ -8,8 +8,10 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import time
+from typing import Optional
 
 from . import files, fp8_transport, outdir
 from .errors import RunError, UsageError
@@ -31,15 +33,25 @@ class States:
     content_id: str       # part of the run's identity: another extraction is another run
     failed: frozenset = frozenset()  # rows stage 02 could not extract: no file
     online: bool = False
+    scale_max: Optional[float] = None  # fp8: the largest per-token scale stage 02 wrote (its manifest's record)
 
     @classmethod
     def from_manifest(cls, m):
         return cls(tuple(m["layer_ids"]), m["verifier"]["hidden_size"], m.get("storage_dtype", "bf16"),
-                   m["content_id"], frozenset(int(i) for i in m.get("failures", {})))
+                   m["content_id"], frozenset(int(i) for i in m.get("failures", {})),
+                   scale_max=_scale_max(m.get("fp8_scale_max")))
 
     @property
     def aux(self):
         return list(self.layer_ids[:-1])  # the draft's inputs
+
+
+def _scale_max(value):
+    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                  and math.isfinite(value) and value > 0):
+        raise UsageError(f"--hidden-states: manifest.json: field 'fp8_scale_max' is {value!r:.40}, expected a positive "
+                         f"number (stage 02's largest fp8 scale); rerun {STAGE_SCRIPTS['extract']} --verify")
+    return value
 
 
 DATASET_FILES = r"data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|\.done"  # datasets' save_to_disk, and ours
@@ -152,10 +164,11 @@ class CheckedFiles:
     than one) stop the run with one line. Picklable: data-loader workers get a copy."""
 
     def __init__(self, folder, n_states, hidden, skipped_log, rows, dtype="bfloat16", failed=(), packed=False,
-                 digests=None):
+                 digests=None, scale_max=None):
         self.folder, self.n_states, self.hidden, self.skipped_log = folder, n_states, hidden, skipped_log
         self.rows, self.dtype, self.failed, self.packed = rows, dtype, frozenset(failed), packed
         self.digests = digests  # array('q') of ids_digest per row: a file must hold its own row's tokens
+        self.scale_max = scale_max  # fp8: no file's scale above the largest stage 02 wrote
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -170,7 +183,7 @@ class CheckedFiles:
             if int(file_idx) not in self.failed:  # stage 02 wrote it: gone since, a bad sample like any other
                 self.skip(int(file_idx), "missing (deleted since stage 02 wrote it)")
             return None  # a row stage 02 could not extract: speculators skips it
-        reason, t = load_sample(path, self.n_states, self.hidden)
+        reason, t = load_sample(path, self.n_states, self.hidden, self.scale_max)
         if not reason and self.digests is not None and ids_digest(t["token_ids"].tolist()) != self.digests[int(file_idx)]:
             reason = "its token_ids are not this row's (another sample's file copied or renamed over it?)"
         if reason:
@@ -244,7 +257,8 @@ class OfflineData:
         install_checked(CheckedFiles(os.path.abspath(self.args.hidden_states), len(self.states.layer_ids),
                                      self.states.hidden_size, os.path.join(self.out, "logs", files.SKIPPED),
                                      len(self.rows), self.dtype, set(self.states.failed), packed=self.fp8,
-                                     digests=array.array("q", (ids_digest(ids) for ids, *_ in self.rows))))
+                                     digests=array.array("q", (ids_digest(ids) for ids, *_ in self.rows)),
+                                     scale_max=self.states.scale_max))
         return self
 
     def __exit__(self, *exc):

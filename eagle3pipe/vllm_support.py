@@ -161,6 +161,11 @@ def _supports(module, name, depth=0):
     return None if unknown else False
 
 
+def installed():
+    """Whether a vLLM is installed here (located, not imported: importing it takes seconds and prints)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
 def version():
     from .adapters import _dist  # the installed distribution, under either of vLLM's names
     dist = _dist("vllm")

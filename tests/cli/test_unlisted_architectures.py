@@ -40,8 +40,9 @@ def test_an_architecture_vllm_has_no_eagle3_for_is_refused_before_anything_loads
                 "use --backend hf")
         assert not (out / "hs").exists()
         p, _ = run_script("05_evaluate.py", "--model-path", model, "--draft", str(out / "no-draft-needed"),
-                          "--prepared-data", str(out / "prep"), "--output-dir", str(out / "eval"), *dry)
-        refused(p, f"--model-path {model}: the installed vLLM", "no EAGLE-3 support for Gemma2ForCausalLM")
+                          "--prepared-data", str(out / "prep"), "--output-dir", str(out / "eval"), "--vllm", "on", *dry)
+        refused(p, f"--model-path {model}: the installed vLLM", "no EAGLE-3 support for Gemma2ForCausalLM",
+                "--vllm on")
         assert not (out / "eval").exists()
     # the HF backend takes it: its plan passes
     p, _ = run_script("02_extract_hidden_states.py", "--model-path", model, "--prepared-data", str(out / "prep"),

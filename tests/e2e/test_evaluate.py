@@ -25,3 +25,20 @@ def test_stage05_serves_the_draft_through_vllm_and_the_measure_agrees(model_path
     assert rep["draft"] == os.path.realpath(session) and rep["ranking"] is None
     assert_stage05_report(ev, p, rep, engines=2, prompts=4)  # the baseline, then the draft
     assert json.load(open(ev / "manifest.json"))["stage"] == "evaluate"
+    assert rep["engine"] == "vllm" and rep["versions"]["vllm"] and rep["versions"]["speculators"], rep["versions"]
+
+    # where vLLM does not run (a training cluster without it; a family it has no EAGLE-3 for): the measure alone,
+    # labelled so, the same figures as the measure beside vLLM
+    alone = tmp_path / "alone"
+    p, _ = run_script("05_evaluate.py", "--model-path", model_path, "--draft", str(session), "--prompts",
+                      str(short_prompts), "--prepared-data", str(stages["prepared"]), "--num-prompts", "4",
+                      "--max-new-tokens", "24", "--num-speculative-tokens", "3", "--dtype", "float32", "--vllm",
+                      "off", "--output-dir", str(alone))
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.load(open(alone / "report.json"))
+    assert got["engine"] == "measure" and got["without_vllm"] == "--vllm off" and got["speedup"] is None, got
+    assert got["acceptance_length"] == rep["measure_vs_vllm"]["acceptance_length"], (got, rep["measure_vs_vllm"])
+    assert got["per_position"] == rep["measure_vs_vllm"]["per_position"]
+    assert "no vLLM run (--vllm off): the acceptance measure alone" in p.stderr and "speed-up needs vLLM" in p.stdout
+    assert not (alone / "engine.log").exists()  # no engine started
+    assert os.path.getsize(alone / "acceptance.png") > 10_000

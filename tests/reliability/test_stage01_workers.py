@@ -74,6 +74,48 @@ def test_a_template_that_loops_on_a_later_record_is_refused_there_and_the_worker
     assert not (tmp_path / "out").exists() and left_behind(mark) == []
 
 
+@pytest.mark.parametrize("nth", ["1", "5"])
+def test_a_render_stuck_in_one_c_call_is_killed_and_named(model_path, tmp_path, nth):
+    """A Jinja expression that builds gigabytes runs in one C call, deaf to the render's alarm (3 GB took 7.5 s here,
+    the alarm set for 1 s). The render runs in a worker the stage kills once the budget and its grace are past:
+    one line naming the record, no folder, no worker left. The 1st render is the probe's (its own worker, before
+    the folder is taken); the 5th is one of the two workers' in the stage's loop."""
+    p, mark = _stage01(model_path, tmp_path / "out", {"EAGLE3_INJECT_DEAF": f"render:{nth}",
+                                                       "EAGLE3_TEMPLATE_TIMEOUT_S": "1"})
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert lines[0].startswith("error: record ") and "did not finish one render within 1 s" in lines[0], lines[0]
+    if nth == "1":  # the probe's: the first record (ShareGPT's first conversation)
+        assert lines[0].startswith("error: record QWJhYvA_0: "), lines[0]
+    assert not (tmp_path / "out").exists() and left_behind(mark) == []
+
+
+@pytest.mark.parametrize("workers", ["1", "0"])
+def test_a_tokenizer_that_panics_is_one_line_naming_the_record(model_path, tmp_path, workers):
+    """A pre-tokenizer regex that backtracks past Oniguruma's limit on one record: the tokenizers library panics
+    (pyo3's PanicException, a BaseException, and a Rust report of 100 lines under RUST_BACKTRACE=1). One line naming
+    the record and the tokenizer, exit 2, no folder; from a worker, not a line of Rust's report either."""
+    with open(os.path.join(model_path, "chat_template.jinja")) as f:
+        model = model_with_template(model_path, tmp_path / "model", f.read())
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated",
+                             "invert": False}
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": f"r{i}", "messages": [
+        {"role": "user", "content": "a" * 5000 + "b" if i == 3 else f"q {i}"}, {"role": "assistant", "content": "x"}]})
+        + "\n" for i in range(6)))
+    p, mark = _stage01(str(model), tmp_path / "out", {"RUST_BACKTRACE": "1"}, "--dataset", str(data),
+                       "--num-workers", workers)
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert lines[0].startswith(f"error: record r3: the tokenizer of {model} panicked: ") \
+        and "retry-limit-in-match" in lines[0], lines[0]
+    if workers == "1":  # Rust writes its report itself; a worker holds it back
+        assert "panicked at" not in p.stderr and "stack backtrace" not in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "out").exists() and left_behind(mark) == []
+
+
 def test_a_hang_up_under_nohup_stops_neither_the_stage_nor_its_workers(model_path, tmp_path):
     """`nohup` makes the stage ignore SIGHUP, so that closing the ssh session does not stop it; its workers must
     ignore it too (the terminal's hang-up reaches the whole process group), else the stage ends as if a worker had

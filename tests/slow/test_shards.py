@@ -61,6 +61,8 @@ def test_fp8_storage_halves_the_disk_and_trains(prep, hf_out, model_path, tmp_pa
     assert m["storage_dtype"] == "fp8" and m["counts"]["bytes"] < 0.6 * m16["counts"]["bytes"]
     f = load_file(out / "hs_0.safetensors")
     assert f["hidden_states"].dtype == torch.float8_e4m3fn and f["hidden_states_scales"].shape[1:] == (1, 1)
+    # the largest scale it wrote, on record: stage 04 holds every file to it
+    assert 0 < float(f["hidden_states_scales"].max()) <= m["fp8_scale_max"]
     # the same folder cannot silently mix: a bf16 rerun into it is another run
     p, _ = extract(model_path, prep, out, "--backend", "hf")
     assert p.returncode == 2 and "storage_dtype differs" in p.stderr

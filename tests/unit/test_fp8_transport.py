@@ -103,3 +103,25 @@ def test_a_file_holding_another_row_is_skipped_by_name(folder, tmp_path):
     assert t.get_cached(0) is not None and t.get_cached(2) is None
     line = json.loads((tmp_path / "skipped.jsonl").read_text())
     assert line["row"] == 2 and "token_ids are not this row's" in line["reason"]
+
+
+def test_scales_past_the_largest_stage_02_wrote_are_a_bad_sample(folder, tmp_path):
+    """A file whose scales reach past what stage 02 wrote (its manifest's fp8_scale_max, the largest over the scale_max
+    each file records) holds states the verifier never computed: scales of 1e30 with a checksum that fits are still
+    skipped by name; so is a scale below the clamp stage 02 quantizes with."""
+    from eagle3pipe.extract_output import largest_scale
+    for i in (0, 2, 3):
+        t = hs.load_sample(hs.hs_path(folder, i), L, H)[1]
+        hs.save(hs.hs_path(tmp_path, i), t, **hs.scale_note(t))
+    bound = largest_scale(str(tmp_path), [0, 2, 3])
+    assert bound == max(float(hs.load_sample(hs.hs_path(folder, i), L, H)[1][hs.SCALES].max()) for i in (0, 2, 3))
+    for i, factor in ((0, 1e30 / bound), (2, 1e-20)):
+        t = dict(hs.load_sample(hs.hs_path(folder, i), L, H)[1])
+        t[hs.SCALES] = t[hs.SCALES] * factor
+        hs.save(hs.hs_path(tmp_path, i), t)  # a valid file: its checksum fits its data
+    t = CheckedFiles(str(tmp_path), L, H, str(tmp_path / "skipped.jsonl"), rows=200, packed=True, scale_max=bound)
+    assert t.get_cached(0) is None and t.get_cached(2) is None and t.get_cached(3) is not None
+    reasons = [json.loads(line)["reason"] for line in (tmp_path / "skipped.jsonl").read_text().splitlines()]
+    assert reasons[0].startswith("fp8 scales up to 1e+30, above the largest stage 02 wrote") \
+        and "below the 1e-12 stage 02 clamps them at" in reasons[1], reasons
+    assert largest_scale(str(tmp_path), [0, 2, 3]) is None  # files that record none: no bound, not a wrong one

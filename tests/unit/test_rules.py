@@ -134,7 +134,7 @@ def record(cls, **over):
                 gpu_memory_utilization=0.5, regen_temperature=0.0, regen_max_tokens=1, regen_batch_size=1,
                 regen_tp_size=1, cache_gb=0.0, engine_timeout=60, draft_arch="auto", loss_fn="kl_div",
                 ttt_step_loss_decay=1.0, optimizer="muon", scheduler="linear", measure="auto", measure_prompts=32,
-                measure_tokens=64)
+                measure_tokens=64, vllm="auto")
     for flag in ("trust_remote_code", "regenerate", "verify", "verify_data", "dry_run", "overwrite", "fsdp", "online",
                  "fc_norm", "norm_output"):
         base[flag] = False
