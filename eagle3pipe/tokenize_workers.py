@@ -130,10 +130,15 @@ _PANIC = re.compile(rb"^thread '[^\n]* panicked at", re.M)  # "thread '<unnamed>
 def _stderr_less_panics():
     """This worker's standard error held in a file for the chunk and passed on after it, less a Rust panic's report
     (its message, and a backtrace under RUST_BACKTRACE): the stage says it in one line (masks.TokenizerPanic)."""
+    try:
+        held = tempfile.TemporaryFile()
+    except OSError:  # no writable temporary folder: Rust's report then reaches the log as it is
+        yield
+        return
     sys.stderr.flush()
     saved = os.dup(2)
     try:
-        with tempfile.TemporaryFile() as held:
+        with held:
             os.dup2(held.fileno(), 2)
             try:
                 yield

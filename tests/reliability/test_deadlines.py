@@ -65,7 +65,8 @@ def test_a_hub_that_stalls_after_the_probe_is_one_line_within_its_deadline(stall
     assert "Traceback" not in p.stderr and secs < 30
 
 
-def test_a_template_that_loops_is_one_line_naming_it(model_path, tmp_path):
+@pytest.mark.slow  # 16 s; the default set keeps a template looping on a later record and a render deaf to its alarm
+def test_a_template_that_loops_is_one_line_naming_it(model_path, tmp_path):  # (R/test_stage01_workers.py)
     """Two nested 99,999-step loops: 10^10 steps of Jinja. transformers runs it, so this refusal comes after the
     tokenizer loaded (no model ever does in stage 01); it must come within the budget, not after hours."""
     model = model_with_template(model_path, tmp_path / "model", "{% for i in range(99999) %}{% for j in range(99999) %}"

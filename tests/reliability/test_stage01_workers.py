@@ -74,7 +74,7 @@ def test_a_template_that_loops_on_a_later_record_is_refused_there_and_the_worker
     assert not (tmp_path / "out").exists() and left_behind(mark) == []
 
 
-@pytest.mark.parametrize("nth", ["1", "5"])
+@pytest.mark.parametrize("nth", [pytest.param("1", marks=pytest.mark.slow), "5"])
 def test_a_render_stuck_in_one_c_call_is_killed_and_named(model_path, tmp_path, nth):
     """A Jinja expression that builds gigabytes runs in one C call, deaf to the render's alarm (3 GB took 7.5 s here,
     the alarm set for 1 s). The render runs in a worker the stage kills once the budget and its grace are past:
@@ -90,7 +90,7 @@ def test_a_render_stuck_in_one_c_call_is_killed_and_named(model_path, tmp_path, 
     assert not (tmp_path / "out").exists() and left_behind(mark) == []
 
 
-@pytest.mark.parametrize("workers", ["1", "0"])
+@pytest.mark.parametrize("workers", ["1", pytest.param("0", marks=pytest.mark.slow)])
 def test_a_tokenizer_that_panics_is_one_line_naming_the_record(model_path, tmp_path, workers):
     """A pre-tokenizer regex that backtracks past Oniguruma's limit on one record: the tokenizers library panics
     (pyo3's PanicException, a BaseException, and a Rust report of 100 lines under RUST_BACKTRACE=1). One line naming
@@ -116,6 +116,7 @@ def test_a_tokenizer_that_panics_is_one_line_naming_the_record(model_path, tmp_p
     assert not (tmp_path / "out").exists() and left_behind(mark) == []
 
 
+@pytest.mark.slow  # 12 s; the default set keeps stage 02's launcher under nohup (e2e/test_extract.py)
 def test_a_hang_up_under_nohup_stops_neither_the_stage_nor_its_workers(model_path, tmp_path):
     """`nohup` makes the stage ignore SIGHUP, so that closing the ssh session does not stop it; its workers must
     ignore it too (the terminal's hang-up reaches the whole process group), else the stage ends as if a worker had
@@ -137,6 +138,7 @@ def test_a_hang_up_under_nohup_stops_neither_the_stage_nor_its_workers(model_pat
     assert left_behind(mark) == []
 
 
+@pytest.mark.slow  # 10 s; the default set keeps a worker stuck in a render killed by the stage's watch
 def test_a_worker_that_never_answers_ends_the_stage_at_its_deadline(model_path, tmp_path):
     """A worker stopped (SIGSTOP), or stuck in a lock it inherited across the fork, never returns its chunk: the
     stage waits on it for EAGLE3_WORKER_TIMEOUT_S, then ends in one line with nothing written and no worker left."""

@@ -1,6 +1,8 @@
 """Stage 04 trains a Gemma 3 draft through the verifier's own final norm (its log says so before step 1, the
-checkpoint holds no verifier norm, and no serve command this vLLM cannot run is printed), and refuses a Gemma 2 whose
+checkpoint holds no verifier norm, and no serve command this vLLM cannot run is printed), stage 05 gives its
+acceptance measure without vLLM (which has no EAGLE-3 for the family), and stage 04 refuses a Gemma 2 whose
 logit cap moves the distribution (eagle3pipe/target_check.py; the plan-level checks: tests/e2e/test_targets.py)."""
+import json
 import os
 
 import pytest
@@ -27,6 +29,19 @@ def test_gemma_trains_through_its_own_norm_and_a_capped_family_is_refused(model_
     from safetensors import safe_open
     with safe_open(os.path.join(os.path.realpath(out / "last"), "model.safetensors"), "pt") as f:
         assert not any(k.startswith("verifier_norm") for k in f.keys())
+    # stage 05: vLLM has no EAGLE-3 for the family, so the acceptance measure alone, labelled, the reason named
+    ev = tmp_path / "ev3"
+    p, _ = run_script("05_evaluate.py", "--model-path", model, "--draft", str(out / "last"), "--prepared-data",
+                      str(d["prepared"]), "--num-prompts", "2", "--max-new-tokens", "16", "--dtype", "float32",
+                      "--output-dir", str(ev))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.load(open(ev / "report.json"))
+    assert rep["engine"] == "measure" and "no EAGLE-3 support for Gemma3ForCausalLM" in rep["without_vllm"], rep
+    assert 1 <= rep["acceptance_length"] <= 4 and len(rep["per_position"]) == 3 and rep["speedup"] is None, rep
+    assert "speed-up needs vLLM" in p.stdout
+    p, _ = run_script("05_evaluate.py", "--model-path", model, "--draft", str(out / "last"), "--prepared-data",
+                      str(d["prepared"]), "--output-dir", str(tmp_path / "ev3on"), "--vllm", "on")
+    assert p.returncode == 2 and "--vllm on" in p.stderr and not (tmp_path / "ev3on").exists(), p.stderr[-2000:]
     # Gemma 2 also caps its logits (c * tanh(x / c)): the same top token, another distribution (c = 30 in its real
     # configs, where logits reach it; a random model's stay small, so the cap here is where they are)
     gemma2 = dense(str(tmp_path / "gemma2"), model_path, "Gemma2Config", layers=8, head_dim=16,
