@@ -382,7 +382,10 @@ def weights_bytes(model_path):
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.isfile(index):
         from .files import read_json
-        total = (read_json(index).get("metadata") or {}).get("total_size")
+        index = read_json(index)
+        meta = index.get("metadata") if isinstance(index, dict) else None
+        total = meta.get("total_size") if isinstance(meta, dict) else None  # else the files' sizes: the weights
+        # check (weight_files.read_index) names what is wrong with the index
         if isinstance(total, int) and total > 0:
             return total
     files = glob.glob(os.path.join(model_path, "*.safetensors")) or glob.glob(os.path.join(model_path, "*.bin"))

@@ -3,7 +3,10 @@ tensor data): an 8-byte little-endian length, that much JSON, then the data, the
 it exactly, each tensor's bytes its shape times its dtype's size. The index (`model.safetensors.index.json`) is a
 table of tensor -> a .safetensors file beside it that holds that tensor. Random bytes, a file cut short, overlapping
 or negative offsets, an unknown dtype, a shape whose bytes the file does not hold, an index naming a missing file:
-each one `Bad(file, why)`. Drafts (draft_weights.py) and verifiers (verifier_weights.py) are read through here.
+each one `Bad(file, why)`. So is what two loaders would read differently: a tensor named twice in one header (JSON
+keeps one of them), or held by two files; a model.safetensors beside an index naming other files (transformers loads
+the first, vLLM the index's files), or beside other .safetensors files with no index (vLLM loads every one).
+Drafts (draft_weights.py) and verifiers (verifier_weights.py) are read through here.
 """
 import json
 import math
@@ -26,6 +29,18 @@ class Bad(Exception):
         self.name, self.why = name, why
 
 
+class _Twice(Exception):
+    pass
+
+
+def _once(pairs):
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        raise _Twice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 def _int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -44,7 +59,9 @@ def read_header(path, shown, max_header, whose):
                              f"most {max_header}): not a safetensors file (random bytes, or cut short)")
         raw = fh.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_once)
+    except _Twice as e:
+        raise Bad(shown, f"its header names {str(e)[:80]} twice: which entry a loader takes is its own choice")
     except (ValueError, RecursionError):
         raise Bad(shown, "its header is not JSON: not a safetensors file (random bytes, or cut short)")
     if not isinstance(header, dict):
@@ -105,6 +122,15 @@ def read_weights(folder, max_header, whose, any_names=False):
     -> {tensor: (dtype, shape, file offset, path, shown)}"""
     single = os.path.join(folder, SINGLE)
     if os.path.lexists(single):
+        if os.path.lexists(os.path.join(folder, INDEX)):
+            others = sorted(set(read_index(folder).values()) - {SINGLE})
+            if others:
+                raise Bad(INDEX, f"names {others[0]} (and {len(others) - 1} more) beside {SINGLE}: transformers "
+                                 f"loads {SINGLE}, vLLM the index's files; keep one of the two")
+        beside = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors") and n != SINGLE)
+        if beside and not os.path.lexists(os.path.join(folder, INDEX)):
+            raise Bad(beside[0], f"beside {SINGLE} with no {INDEX}: vLLM loads every .safetensors file of the "
+                                 f"folder, transformers only {SINGLE}; move it away")
         return read_header(single, SINGLE, max_header, whose)
     if not os.path.lexists(os.path.join(folder, INDEX)):
         files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")) if any_names else []
@@ -119,7 +145,10 @@ def read_weights(folder, max_header, whose, any_names=False):
         return out
     wmap, out = read_index(folder), {}
     for shard in sorted(set(wmap.values())):
-        out.update(read_header(os.path.join(folder, shard), shard, max_header, whose))
+        for k, v in read_header(os.path.join(folder, shard), shard, max_header, whose).items():
+            if k in out:  # transformers loads every tensor of each file the index names: the later file's would win
+                raise Bad(shard, f"tensor {k} is also in {out[k][4]}: two copies, and {INDEX} names one")
+            out[k] = v
     lost = sorted(k for k, f in wmap.items() if k not in out or out[k][4] != f)
     if lost:
         raise Bad(INDEX, f"tensor {lost[0]} is not in {wmap[lost[0]]}" + (f" (and {len(lost) - 1:,} more tensors are "

@@ -128,3 +128,36 @@ def test_a_kept_definition_that_does_not_read_as_one_is_made_again(tmp_path, mon
         assert vw._cached(path) is None
     vw._keep(path, d)
     assert vw._cached(path) == d
+
+
+def test_what_two_loaders_would_read_differently_is_named(tmp_path):
+    """A header naming a tensor twice (JSON keeps one entry, a loader its own choice), one tensor in two shards, a
+    model.safetensors beside an index naming other files (transformers loads the first, vLLM the index's), or beside
+    another .safetensors file with no index (vLLM loads every one): each refused, naming the file."""
+    twice = tmp_path / "twice"
+    twice.mkdir()
+    raw = (b'{"a": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]}, '
+           b'"a": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}}')
+    _file(twice / "model.safetensors", {}, data=bytes(8), raw_header=raw)
+    _refused(twice, "model.safetensors: its header names a twice")
+
+    both = tmp_path / "both"
+    both.mkdir()
+    _sharded(both, {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    _file(both / "model-00002-of-00002.safetensors", {"a": ("F32", [2, 2], [0, 16]), "b": ("BF16", [4], [16, 24])})
+    _refused(both, "model-00002-of-00002.safetensors: tensor a is also in model-00001-of-00002.safetensors")
+
+    single = tmp_path / "single"
+    single.mkdir()
+    _sharded(single, {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    _file(single / "model.safetensors", GOOD)
+    _refused(single, "model.safetensors.index.json: names model-00001-of-00002.safetensors",
+             "transformers loads model.safetensors, vLLM the index's files")
+
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    _file(stray / "model.safetensors", GOOD)
+    _file(stray / "extra.safetensors", {"a": ("F32", [2, 2], [0, 16])})
+    _refused(stray, "extra.safetensors: beside model.safetensors with no model.safetensors.index.json")
+    os.remove(stray / "extra.safetensors")
+    assert set(quantization.tensor_table(str(stray))) == {"a", "b"}
