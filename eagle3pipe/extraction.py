@@ -24,6 +24,8 @@ from .hidden_states import (SCALES, check_file, check_header, finite, hs_path, l
                             save, scale_note)
 
 log = logging.getLogger("eagle3")
+NON_FINITE = "non-finite values"
+FIRST_ROWS = 8  # a verifier whose states are not finite on each of its first rows is broken, not its rows
 
 
 def make_batches(todo, lengths, batch_size, max_tokens=None):
@@ -101,7 +103,7 @@ class Writer:
             return False, None
         reason = check_header(path, len(self.rows[i]), self.n_states, self.hidden)
         if reason is None and header["finite"] != "1":
-            reason = "non-finite values"
+            reason = NON_FINITE
         if reason is None:
             from safetensors import safe_open
             with safe_open(path, "pt") as f:
@@ -130,7 +132,7 @@ class Writer:
                 result.event.synchronize()  # this sample's device-to-host copy is complete
             tensors, bad = dict(result.tensors), bool(result.bad)  # checked on the device
         if bad:
-            return None, "non-finite values"
+            return None, NON_FINITE
         if self.storage == "fp8" and SCALES not in tensors:
             tensors["hidden_states"], tensors[SCALES] = quantize_fp8(tensors["hidden_states"])
         tensors["token_ids"] = torch.as_tensor(self.rows[i], dtype=torch.int64)
@@ -203,7 +205,7 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
     # vLLM engine's threads
     writer_threads = args.writer_threads or (min(8, os.cpu_count() or 1) if plan.on_gpu else 1)
     background_writer = engines.kind(args.backend).background_writer_on_cpu and not plan.on_gpu
-    failed, done_tokens, written = {}, [0], set()
+    failed, done_tokens, written, broken = {}, [0], set(), []
     oom_above, nan_rows = faults.oom_above(), faults.nan_rows()
     lock = threading.Lock()
 
@@ -211,6 +213,9 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
         with lock:
             if reason:
                 failed[i] = reason
+                if not written and sum(r == NON_FINITE for r in failed.values()) == min(FIRST_ROWS, len(todo)):
+                    broken.append(i)  # the verifier's, not the rows': stopped after the batch in flight
+                    return
                 log.error(f"row {i}: {reason}; not written")
             else:
                 done_tokens[0] += len(rows[i])
@@ -267,6 +272,8 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
         for batch in batches:
             if stop:
                 break
+            if broken:
+                break
             watch.maybe_check()
             if faults.armed("between"):
                 backend.flush()
@@ -281,6 +288,11 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
                 break
         backend.flush()  # the last batch's host copy
         writer.close()
+        if broken:
+            from .errors import UsageError
+            raise UsageError(f"--model-path {args.model_path}: its hidden states are not finite on any of the first "
+                             f"{min(FIRST_ROWS, len(todo))} rows it ran (weights holding inf or NaN, or a --dtype its "
+                             f"values overflow); nothing was written: check the verifier")
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
