@@ -57,6 +57,7 @@ import logging
 import os
 import re
 
+from . import devices
 from .errors import RunError, UsageError
 
 log = logging.getLogger("eagle3pipe")
@@ -311,7 +312,7 @@ def _on_cpu_gloo(setup):
     import torch.distributed as dist
 
     def on_cpu(*a, **k):
-        if "LOCAL_RANK" not in os.environ:
+        if not devices.under_torchrun():
             return setup(*a, **k)
         init = dist.init_process_group
         with patch(torch.accelerator, "set_device_index", lambda *_: None), \
@@ -322,7 +323,7 @@ def _on_cpu_gloo(setup):
 
 
 # speculators 0.9.0's build_optimizers gives parameters whose names hold these to AdamW, the other matrices to Muon
-# (compute.muon_flops_per_step counts Muon's work; tests/unit/test_mfu.py checks the split against the real one)
+# (flops.muon_flops_per_step counts Muon's work; tests/unit/test_mfu.py checks the split against the real one)
 MUON_ADAMW_NAMES = ("embed_tokens", "lm_head", "codebook", "markov_w1", "markov_w2")
 
 

@@ -15,6 +15,7 @@ import json
 import math
 import os
 
+from . import devices
 from .errors import UsageError
 
 MAX_DRAFT_LAYERS = 32      # stage 04's --num-layers cap (settings.Train)
@@ -85,7 +86,7 @@ def check_tp(tp, gpus, flag="--tp-size"):
         raise UsageError(f"{flag} {tp}: no GPU visible; on CPU use {flag} 1")
     if gpus and tp > len(gpus):
         raise UsageError(f"{flag} {tp}: only {len(gpus)} GPU(s) visible "
-                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+                         f"({devices.visible_words()})")
 
 
 def split_heads(tp, cfg):
@@ -117,9 +118,9 @@ def check_run(args, fp, text_cfg, gpus):
     bad = split_heads(args.tp_size, text_cfg)
     if bad:
         raise UsageError(f"--tp-size {args.tp_size}: must divide the verifier's {bad[0]} ({bad[1]})")
-    from . import compute, quantization
+    from . import engines, quantization
     quant = quantization.read(args.model_path)
-    ok, why = compute.vllm_kernel_here(quant, bool(gpus))
+    ok, why = engines.vllm_kernel_here(quant, bool(gpus))
     if not ok:  # vLLM would refuse it only after loading the verifier
         raise UsageError(f"--model-path {args.model_path}: the verifier is {quant.describe()}, and {why}; run stage "
                          f"05 on a GPU machine")

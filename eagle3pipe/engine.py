@@ -20,7 +20,7 @@ import threading
 import time
 import urllib.request
 
-from . import compute, lifeline
+from . import devices, lifeline
 from .adapters import VLLM_CPU_MLA_COMPILATION
 from .engine_log import engine_output, last_error
 from .errors import RunError, UsageError
@@ -38,7 +38,7 @@ def cpu_vllm_env(env=None, kv_cache_sized=False):
     env = os.environ if env is None else env
     if not kv_cache_sized:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_CAP >> 30))
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", compute.cpu_list())
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", devices.cpu_list())
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
@@ -305,7 +305,7 @@ def serve_command(model_path, draft, k, elsewhere=False, text_cfg=None):
         return f"vllm serve {shlex.quote(model_path)} --speculative-config {spec}"
     comp = cpu_compilation(text_cfg or {})
     comp = f" --compilation-config {shlex.quote(json.dumps(comp))}" if comp else ""
-    return (f"VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND={compute.cpu_list()} VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
+    return (f"VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND={devices.cpu_list()} VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
             f"{shlex.quote(sys.executable)} -m {server_module()} --model "
             f"{shlex.quote(model_path)} --enforce-eager{comp} --speculative-config {spec}")
 

@@ -55,15 +55,15 @@ def gpu_out_of_memory(text, visible=None):
     was asked for, what was free of what, what this process and the others held. `visible`: CUDA_VISIBLE_DEVICES
     (torch's GPU numbers count only those; nvidia-smi's are the machine's). Another wording: its first 200
     characters."""
-    import os
     import re
+    from . import devices
     t = " ".join(str(text).split())
     asked = re.search(r"Tried to allocate " + _SIZE, t)
     card = re.search(r"GPU (\d+) has a total capacity of " + _SIZE + r" of which " + _SIZE + r" is free", t)
     if not (asked and card):
         return f"out of GPU memory ({t[:200]})"
     index, total = card[1], _bytes(card[2], card[3])
-    shown = [x.strip() for x in (os.environ.get("CUDA_VISIBLE_DEVICES", "") if visible is None else visible).split(",")]
+    shown = [x.strip() for x in ((devices.visible_setting() or "") if visible is None else visible).split(",")]
     physical = shown[int(index)] if all(x.isdigit() for x in shown) and int(index) < len(shown) else index
     line = (f"GPU {index}{f' (nvidia-smi GPU {physical})' if physical != index else ''} out of memory: asked for "
             f"{asked[1]} {asked[2]} with {card[4]} {card[5]} free of {card[2]} {card[3]}")

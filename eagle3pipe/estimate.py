@@ -145,7 +145,7 @@ def main(argv=None):
     rows_file = os.path.join(a.prepared_data, "tokenized_data.jsonl")
     if not os.path.isfile(rows_file):
         raise UsageError(f"--prepared-data {a.prepared_data}: no tokenized_data.jsonl; run 01_prepare_dataset.py")
-    from .compute import visible_gpus
+    from .devices import visible_gpus
     if visible_gpus():  # the quickstart's sizes are seconds of work for a GPU; the measurement here is a CPU one
         print(a.samples)
         return 0

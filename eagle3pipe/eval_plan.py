@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Optional
 
-from . import cli, compute, conversations, files, heldout, masks, outdir, tokenize_workers, verifier, vllm_support
+from . import cli, compute, conversations, devices, files, heldout, masks, outdir, tokenize_workers, verifier, vllm_support
 
 log = logging.getLogger("eagle3")
 
@@ -64,7 +64,7 @@ def plan(args):
     if args.vllm == "on":  # what the verifier alone tells, before the drafts are read
         engine_choice(args, vllm_absent_reason(args, fp, tc, None, None, None))
     verifier.check_chat_files(args.model_path)
-    gpus = compute.visible_gpus()
+    gpus = devices.visible_gpus()
     draft_check.check_run(args, fp, tc, gpus)  # the flags against the verifier's positions and the GPUs
     conversations.check_dataset(args.prompts, "--prompts")
     drafts, mismatches = evaluation.drafts_to_measure(args.draft, fp, tc, args.tp_size, args.num_speculative_tokens)

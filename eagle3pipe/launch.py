@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from . import REPO, cli, handoff, locks, outdir, preflight
+from . import REPO, cli, devices, handoff, locks, outdir, preflight
 from .errors import RunError, UsageError
 from .errors import quote
 
@@ -74,19 +74,6 @@ def _value(argv, flag):
     return value
 
 
-def _gpu_ids():
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (else nvidia-smi's indices)."""
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd:
-        return [g.strip() for g in cvd.split(",") if g.strip()]
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [g.strip() for g in out.stdout.split()] if out.returncode == 0 else []
-
-
 @dataclasses.dataclass
 class Replica:
     args: object            # stage 02's settings record
@@ -110,7 +97,7 @@ def replicas(stage, argv):
     if n > 1:
         if _has(argv, "--shard"):
             raise UsageError(f"--shard with REPLICAS={n}: the launcher gives each replica its shard")
-        gpus = _gpu_ids()
+        gpus = devices.gpu_ids()
         explicit = _value(argv, "--tp-size")
         tp = int(explicit) if explicit and explicit.isdigit() else tp_env or len(gpus) // n
         if tp < 1 or n * tp > len(gpus):
@@ -166,18 +153,10 @@ def _busy(out, shard, error):
 def preflight_run(r):
     """Stage 02's --dry-run, in this process, with the replica's GPUs. -> the real output path."""
     from .extract_output import prepare_output
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if r.gpus is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = r.gpus
-    try:
+    with devices.visible(r.gpus):
         plan = preflight.plan(r.args)
         print(preflight.format_plan(plan), flush=True)
         _, real = prepare_output(dataclasses.replace(r.args, dry_run=True), plan)
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
     for warning in (plan.compute.warning, plan.warning):  # after every refusal, as the stage does
         if warning:
             logging.getLogger("eagle3").warning(warning)
@@ -196,7 +175,7 @@ def start(r, real):
         read_end, write_end = os.pipe()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **handoff.env_for(held, write_end)}
         if r.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = r.gpus
+            devices.set_visible(env, r.gpus)
         try:
             # from this folder, as the preflight ran: a relative path means the same file to both
             script = os.path.relpath(os.path.join(REPO, STAGE))

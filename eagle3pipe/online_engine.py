@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.request
 
-from . import engines, lifeline, outdir
+from . import devices, engines, lifeline, outdir
 from .engine import connector_config, cpu_vllm_env, get_json, server_module, verifier_compilation
 from .engine_log import last_error, open_log
 from .inherited import child_pythonpath
@@ -44,10 +44,8 @@ def _start(s, p, out, spool):
     env = dict(os.environ)
     env["PYTHONPATH"] = child_pythonpath(env.get("PYTHONPATH"))  # our connector and hf_server import from here
     env["PYTHONSAFEPATH"] = "1"  # `python -m` puts the current folder first: a json.py there would run in the engine
-    if p.on_gpu:
-        env["CUDA_VISIBLE_DEVICES"] = p.engine_cvd
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    devices.set_visible(env, p.engine_cvd if p.on_gpu else "")
+    if not p.on_gpu:
         cpu_vllm_env(env)
     cmd = engine_command(s, p.layer_ids, spool, p.port, p.max_len, p.tp, p.memory, p.on_gpu, p.dtype)
     engine = Server.start(cmd, env, os.path.join(out, ENGINE_LOG), p.port)

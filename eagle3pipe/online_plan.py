@@ -5,9 +5,8 @@ import os
 import socket
 from typing import Optional
 
-from . import compute, engines, quantization
-from .compute import available_ram
-from .compute import visible_gpus
+from . import compute, devices, engines, quantization
+from .devices import available_ram, visible_gpus
 from .engine import get_json
 from .verifier import weights_bytes
 from .errors import UsageError
@@ -51,13 +50,6 @@ def split_gpus(engine_gpus, n_visible):
                          f"{n_visible - 1}); give distinct indices among them")
     rest = [g for g in range(n_visible) if g not in engine_gpus]
     return engine_gpus, rest or list(engine_gpus)  # no GPU left: training shares the engine's
-
-
-def physical(indices):
-    """CUDA_VISIBLE_DEVICES entries for indices among this process's visible GPUs."""
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [x.strip() for x in cvd.split(",")] if cvd else None
-    return ",".join(ids[i] if ids else str(i) for i in indices)
 
 
 def check_engine(s, text_cfg, weights, gpus, engine_gpus, shared):
@@ -141,14 +133,14 @@ def plan(s, fp, text_cfg, longest, layer_ids):
     tp = max(1, len(engine_gpus))
     kind = engines.kind(s.backend)
     quant = quantization.read(s.model_path)
-    compute.check_engine(kind, tp, f"--engine-gpus: {tp} GPUs as tensor parallel", text_cfg, gpus, dtype.dtype,
+    engines.check_engine(kind, tp, f"--engine-gpus: {tp} GPUs as tensor parallel", text_cfg, gpus, dtype.dtype,
                          "the trainer reads bf16", quant, fp.get("architecture"))
     stored = quant.dequantized_bytes if quant and not kind.keeps_quantized else weights_bytes(s.model_path)
     memory = check_engine(s, text_cfg, compute.loaded_weights_bytes(stored, fp.get("torch_dtype"), dtype.dtype), gpus,
                           engine_gpus, shared)
     port = free_port("--engine-port", s.engine_port)
-    return OnlinePlan(address=None, port=port, engine_cvd=physical(engine_gpus) if gpus else None,
-                trainer_cvd=physical(trainer_gpus) if gpus and not shared else None,
+    return OnlinePlan(address=None, port=port, engine_cvd=devices.physical(engine_gpus) if gpus else None,
+                trainer_cvd=devices.physical(trainer_gpus) if gpus and not shared else None,
                 tp=max(1, len(engine_gpus)) if engines.kind(s.backend).tensor_parallel else 1, memory=memory, dtype=dtype.dtype, **common)
 
 

@@ -18,10 +18,10 @@ import os
 import shutil
 from typing import Optional
 
-from . import compute, engines, quantization
+from . import compute, devices, engines, quantization
 from .errors import UsageError
-from .compute import available_ram
-from .compute import visible_gpus
+from .devices import available_ram
+from .devices import visible_gpus
 from .verifier import weights_bytes
 
 
@@ -189,12 +189,12 @@ def plan(args):
     dtype = compute.resolve(args.dtype, bool(gpus))
     kind = engines.kind(args.backend)
     quant = quantization.read(args.model_path)
-    compute.check_engine(kind, args.tp_size, f"--tp-size {args.tp_size}", fp, gpus, dtype.dtype,
+    engines.check_engine(kind, args.tp_size, f"--tp-size {args.tp_size}", fp, gpus, dtype.dtype,
                          "stage 02's files are bf16", quant, fp.get("architecture"))
     if kind.tensor_parallel:
         if gpus and args.tp_size > len(gpus):
             raise UsageError(f"--tp-size {args.tp_size}: only {len(gpus)} GPU(s) visible "
-                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+                             f"({devices.visible_words()})")
         if not gpus and args.tp_size > 1:
             raise UsageError(f"--tp-size {args.tp_size}: no GPU visible; on CPU use --tp-size 1")
     rows = counts["rows"]
@@ -240,7 +240,7 @@ def quant_line(q, kind, tp, on_gpu):
     if not kind.keeps_quantized:
         return (f"{q.describe()}; {q.stored_bytes / 1e9:.2f} GB as stored, decompressed by transformers to "
                 f"{q.dequantized_bytes / 1e9:.2f} GB in bf16")
-    _, runs = compute.vllm_kernel_here(q, on_gpu)
+    _, runs = engines.vllm_kernel_here(q, on_gpu)
     return (f"{q.describe()}; {q.stored_bytes / 1e9:.2f} GB as stored, {q.stored_bytes / max(tp, 1) / 2**30:.2f} GiB "
             f"per GPU at TP {tp}; here: {runs}")
 

@@ -10,7 +10,7 @@ import logging
 import os
 import random
 
-from . import (cli, compute, conversations, faults, files, messages as chat, outdir, regenerate, tokenize_workers,
+from . import (cli, conversations, devices, faults, files, messages as chat, outdir, regenerate, tokenize_workers,
                verifier)
 
 log = logging.getLogger("eagle3")
@@ -26,7 +26,7 @@ def check(args):
     if args.regenerate:
         regenerate.check(args, text_cfg)
     conversations.check_dataset(args.dataset)
-    cores = compute.cores()
+    cores = devices.cores()
     if args.num_workers is not None and args.num_workers > 2 * cores:  # a typo, or another machine's value
         raise cli.UsageError(f"--num-workers {args.num_workers}: more than twice the {cores} CPU cores this process "
                              f"may use; each worker renders and tokenizes on one core")

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 
-from . import compute, engine, faults, masks, outdir
+from . import compute, devices, engine, faults, masks, outdir
 from .draft_check import check_tp, split_heads
 from .errors import UsageError
 
@@ -35,7 +35,7 @@ def batched_tokens(gpus, tp):
 def check(args, text_cfg):
     """--regenerate's flags against the device, the verifier and --max-seq-len, before the output folder is taken
     (vLLM refuses each of them 7 s or, on Kimi, many minutes later)."""
-    gpus = compute.visible_gpus()
+    gpus = devices.visible_gpus()
     bad = split_heads(args.regen_tp_size, text_cfg)
     if bad:
         raise UsageError(f"--regen-tp-size {args.regen_tp_size}: must divide the verifier's {bad[0]} ({bad[1]})")
@@ -107,7 +107,7 @@ def run(records, tok, args, out):
     cut = {}  # conversation -> index of the first message dropped (its prompt reached --max-seq-len)
     counts = {"turns_regenerated": 0, "turns_from_cache": 0, "conversations_cut": 0, "opening_turns_dropped": lead}
     llm, turn = None, 0
-    on_gpu = bool(compute.visible_gpus())
+    on_gpu = bool(devices.visible_gpus())
     dtype = compute.resolve(args.dtype, on_gpu)
     counts["compute_dtype"] = dtype.dtype
     log.info(dtype.describe())

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 
-from . import compute, deadlines, faults, lifeline
+from . import deadlines, devices, faults, lifeline
 from .errors import RunError, UsageError
 
 AUTO_MIN_RECORDS = 1000  # below this one process is quicker than starting workers
@@ -91,7 +91,7 @@ def count(requested, n_records, regenerate=False):
         return 0
     if n_records < AUTO_MIN_RECORDS:
         return 1
-    return max(1, min(compute.cores(), AUTO_MAX_WORKERS))
+    return max(1, min(devices.cores(), AUTO_MAX_WORKERS))
 
 
 def _start_worker(stage):

@@ -93,10 +93,10 @@ class DenseLog(logging.Handler):
         return f" {done / 1e12:.2f} TFLOP/s" + (f" MFU {done / self.peak:.1%}" if self.peak else "")
 
     def count_flops(self, model, ttt_steps, device_name, dtype, optimizer=None, tokens_per_step=None, ns_steps=5):
-        """Once the model exists: its FLOPs a token (compute.draft_flops_per_token) and the device's peak, said once;
-        under Muon, what its Newton-Schulz iterations add to each step (compute.muon_flops_per_step), which MFU
+        """Once the model exists: its FLOPs a token (flops.draft_flops_per_token) and the device's peak, said once;
+        under Muon, what its Newton-Schulz iterations add to each step (flops.muon_flops_per_step), which MFU
         leaves out and a wide draft feels."""
-        from .compute import draft_flops_per_token, muon_flops_per_step, peak_flops
+        from .flops import draft_flops_per_token, muon_flops_per_step, peak_flops
         params = [(n, tuple(p.shape), p.requires_grad) for n, p in getattr(model, "module", model).named_parameters()]
         if any("flat_param" in n for n, _, _ in params):  # FSDP1's flattened parameters keep no shapes
             return

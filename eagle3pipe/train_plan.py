@@ -7,8 +7,8 @@ import logging
 import os
 import shutil
 
-from . import compute, files
-from .compute import available_ram
+from . import devices, files
+from .devices import available_ram
 from .errors import UsageError
 
 log = logging.getLogger("eagle3")
@@ -44,21 +44,21 @@ class Device:
 def check_device(s):
     """--device, --loss-implementation, --fsdp and --num-workers against this machine and launch (one nvidia-smi
     call, no torch)."""
-    from .compute import visible_gpus
+    from .devices import visible_gpus
     gpus = visible_gpus()
     if s.device == "cuda" and not gpus:
-        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-        where = f" (CUDA_VISIBLE_DEVICES={cvd!r})" if cvd is not None else ""
+        cvd = devices.visible_setting()
+        where = f" ({devices.VISIBLE}={cvd!r})" if cvd is not None else ""
         raise UsageError(f"--device cuda: no GPU visible here{where}; nvidia-smi lists none: use --device cpu or auto")
     on_gpu = s.device == "cuda" or (s.device == "auto" and bool(gpus))
     if s.loss_implementation == "fused" and not on_gpu:
         raise UsageError("--loss-implementation fused: speculators' fused loss is a Triton kernel, which needs a GPU; "
                          "training here runs on the CPU: use auto or eager")
-    if s.fsdp and "LOCAL_RANK" not in os.environ:  # speculators' own check comes after the data is bridged, exit 1
+    if s.fsdp and not devices.under_torchrun():  # speculators' own check comes after the data is bridged, exit 1
         raise UsageError("--fsdp: shards the draft across the ranks of a torchrun launch, and this process was not "
                          "started by torchrun (no LOCAL_RANK): launch with `torchrun --nproc-per-node N 04_train.py "
                          "...`, or drop --fsdp")
-    cores = compute.cores()
+    cores = devices.cores()
     if s.num_workers is not None and s.num_workers > 2 * cores:
         raise UsageError(f"--num-workers {s.num_workers}: more than twice the {cores} CPU cores this process may use; "
                          f"each worker is a process holding batches in memory, and more than the cores only contend "
@@ -332,7 +332,7 @@ def plan(s, rank):
     # the engine, its GPUs and port
     states = online_plan.plan(s, fp, tc, max(len(r[0]) for r in rows), layer_ids) if s.online else None
     if states and states.trainer_cvd:
-        os.environ["CUDA_VISIBLE_DEVICES"] = states.trainer_cvd  # training keeps off the engine's GPUs
+        devices.set_visible(os.environ, states.trainer_cvd)  # training keeps off the engine's GPUs
     identity = run_identity(s, prep, ext, voc, recipe, dtype.dtype)
     if rank == 0:  # an earlier run here resumes only if it is this run: else every differing setting, in one line
         check_resume(s, identity)

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 
-from . import adapters, checkpoints, compute, files, mla_draft, outdir, train_data
+from . import adapters, checkpoints, devices, files, mla_draft, outdir, train_data
 from .train_log import DenseLog
 from .errors import UsageError
 from .inherited import last_words
@@ -88,7 +88,7 @@ def check_draft_memory(num_layers, text_cfg, draft_vocab, on_gpu):
     parameter, plus the verifier's frozen bf16 embedding) exceeds 90 % of the available RAM, before it is built."""
     if on_gpu:
         return
-    from .compute import available_ram
+    from .devices import available_ram
     h = text_cfg["hidden_size"]
     inter = text_cfg.get("intermediate_size") or 4 * h
     trainable = num_layers * (4 * h * h + 3 * h * inter) + 3 * h * h + draft_vocab * h
@@ -240,7 +240,7 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16
     from speculators.train.config import TrainConfig
     # GPU: up to 12 workers per rank (speculators' default) but no more than the cores each rank has: reading
     # per-sample files is most of a step's input cost. CPU: none, the training step already uses every core.
-    per_rank = compute.cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # within a container's quota
+    per_rank = devices.cores() // devices.local_world_size()  # within a container's quota
     workers = args.num_workers if args.num_workers is not None else (0 if on_cpu else max(1, min(12, per_rank - 1)))
     if args.online and args.num_workers is None:  # a worker mostly waits for the engine: one runs ahead even on CPU
         workers = max(workers, 1) if on_cpu else min(workers, 4)
@@ -338,12 +338,12 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_s
     # float32 compute: autocast says it does not know float32 and turns itself off, which is the point
     warnings.filterwarnings("ignore", message=".*autocast.*(not supported|only supports).*")
     logs = outdir.make_dir(os.path.join(os.path.abspath(args.output_dir), "logs"))
-    if int(os.environ.get("RANK", "0")) == 0:
+    if devices.rank() == 0:
         os.close(outdir.open_append(os.path.join(logs, "metrics.jsonl")))  # refused now, not after an epoch
     dense = DenseLog(every=1, total_steps=args.max_steps, jsonl=os.path.join(logs, "metrics.jsonl"),
                      tokens_per_step=args.total_seq_len)
     profile = None
-    if args.profile_steps and int(os.environ.get("RANK", "0")) == 0:
+    if args.profile_steps and devices.rank() == 0:
         from .step_profile import StepProfile
         profile = StepProfile(args.profile_steps, logs, not on_cpu)
     trainer_cls = make_trainer_class(dense, on_cpu, args.max_steps, measure, args.ttt_steps, dtype, batch_step,
@@ -360,7 +360,7 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_s
             super().setup_model()
     with contextlib.ExitStack() as stack:
         scli = stack.enter_context(adapters.speculators_entry(
-            Recording, dense if int(os.environ.get("RANK", "0")) == 0 else None, own_metric_lines=False))
+            Recording, dense if devices.rank() == 0 else None, own_metric_lines=False))
         if on_cpu:
             stack.enter_context(adapters.cpu_without_accelerator())
         if loaders is not None:

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from conftest import assert_refused, run_script, snapshot
-from eagle3pipe.compute import visible_gpus
+from eagle3pipe.devices import visible_gpus
 
 
 def test_refusals(model_path, stages, trained, tmp_path):

@@ -47,7 +47,7 @@ def test_cross_stage_refusals(stages, model_path, tmp_path):
 
 
 def _no_gpu():
-    from eagle3pipe.compute import visible_gpus
+    from eagle3pipe.devices import visible_gpus
     return not visible_gpus()
 
 

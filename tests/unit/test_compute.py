@@ -2,7 +2,7 @@
 fed the flag sets real machines report (no model, no torch)."""
 import pytest
 
-from eagle3pipe import compute
+from eagle3pipe import compute, devices
 
 
 # /proc/cpuinfo lines as real machines print them (trimmed to the flags that matter and a few around them)
@@ -84,12 +84,12 @@ def test_vllm_cpu_threads_bind_to_the_affinity():
     """vLLM-CPU's OpenMP threads bind to the CPUs this process may run on (its affinity: a taskset), in the variable's
     own form: runs as "a-b", joined by commas."""
     import os
-    from eagle3pipe import compute, engine
+    from eagle3pipe import engine
     before = os.sched_getaffinity(0)
     ids = sorted(before)
     try:
         os.sched_setaffinity(0, {ids[-1]})  # a taskset to the last CPU: binding "0-..." would be outside it
-        assert compute.cpu_list() == str(ids[-1])
+        assert devices.cpu_list() == str(ids[-1])
         env = {}
         engine.cpu_vllm_env(env)
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(ids[-1])
@@ -97,4 +97,4 @@ def test_vllm_cpu_threads_bind_to_the_affinity():
         os.sched_setaffinity(0, before)
     expand = lambda text: [i for part in text.split(",") for i in  # noqa: E731
                            range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)]
-    assert expand(compute.cpu_list()) == ids
+    assert expand(devices.cpu_list()) == ids

@@ -3,7 +3,7 @@ of the device's dense peak the run reaches, in the dense log (eagle3pipe/train_l
 import contextlib
 import logging
 
-from eagle3pipe import compute, train_log
+from eagle3pipe import flops, train_log
 
 H, I, DV = 64, 128, 256  # hidden, intermediate, draft vocabulary
 DRAFT = [("embed_tokens.weight", (1000, H), False),  # a lookup, not a matmul
@@ -17,18 +17,18 @@ DRAFT = [("embed_tokens.weight", (1000, H), False),  # a lookup, not a matmul
 def test_flops_count_the_fc_once_the_layer_and_head_per_ttt_step_and_the_targets_forward():
     fc, layer, head = H * 3 * H, H * 2 * H + H * H + H * I, DV * H
     # trained: 6 a weight; the frozen draft head: 4 (forward, and the gradient to its input); the targets: 2
-    assert compute.draft_flops_per_token(DRAFT, 3) == 6 * fc + 3 * (6 * layer + 4 * head) + 2 * head
-    assert compute.draft_flops_per_token(DRAFT, 5) - compute.draft_flops_per_token(DRAFT, 3) == 2 * (6 * layer + 4 * head)
+    assert flops.draft_flops_per_token(DRAFT, 3) == 6 * fc + 3 * (6 * layer + 4 * head) + 2 * head
+    assert flops.draft_flops_per_token(DRAFT, 5) - flops.draft_flops_per_token(DRAFT, 3) == 2 * (6 * layer + 4 * head)
     trained_head = [(n, s, True if n == "lm_head.weight" else t) for n, s, t in DRAFT]
-    assert compute.draft_flops_per_token(trained_head, 3) - compute.draft_flops_per_token(DRAFT, 3) == 3 * 2 * head
+    assert flops.draft_flops_per_token(trained_head, 3) - flops.draft_flops_per_token(DRAFT, 3) == 3 * 2 * head
 
 
 def test_the_peak_is_known_for_data_center_gpus_in_bf16_only():
-    assert compute.peak_flops("NVIDIA H200", "bfloat16") == 989e12
-    assert compute.peak_flops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312e12  # A100, not A10
-    assert compute.peak_flops("NVIDIA A10", "bfloat16") == 125e12
-    assert compute.peak_flops("NVIDIA H200", "float32") is None and compute.peak_flops(None, "bfloat16") is None
-    assert compute.peak_flops("Tesla T4", "bfloat16") is None
+    assert flops.peak_flops("NVIDIA H200", "bfloat16") == 989e12
+    assert flops.peak_flops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312e12  # A100, not A10
+    assert flops.peak_flops("NVIDIA A10", "bfloat16") == 125e12
+    assert flops.peak_flops("NVIDIA H200", "float32") is None and flops.peak_flops(None, "bfloat16") is None
+    assert flops.peak_flops("Tesla T4", "bfloat16") is None
 
 
 class Lines(logging.Handler):
@@ -75,7 +75,7 @@ def test_the_dense_line_carries_tflops_and_mfu_where_the_peak_is_known():
     with logged() as seen:
         dense = train_log.DenseLog(every=1, total_steps=2)
         dense.count_flops(model, 3, "NVIDIA H200", "bfloat16")
-        per = compute.draft_flops_per_token(DRAFT, 3)
+        per = flops.draft_flops_per_token(DRAFT, 3)
         assert dense.flops_per_token == per and f"{per / 1e9:.3f} GFLOP a trained token" in seen.lines[-1]
         assert "of a 989 TFLOP/s peak (NVIDIA H200, bfloat16 dense)" in seen.lines[-1]
         tokens_per_s = 1e6
@@ -121,7 +121,7 @@ def test_tok_s_and_data_wait_are_read_on_the_loaders_clock():
 
 
 def test_muons_newton_schulz_flops_are_what_torchs_muon_computes_on_speculators_split():
-    """compute.muon_flops_per_step against the matmul FLOPs torch's flop counter sees in one real step of the
+    """flops.muon_flops_per_step against the matmul FLOPs torch's flop counter sees in one real step of the
     optimizers speculators builds for --optimizer muon (its own split: heads, embeddings and vectors go to AdamW),
     on the DRAFT's shapes; and the log line that puts it beside the model's FLOPs."""
     import types
@@ -138,12 +138,12 @@ def test_muons_newton_schulz_flops_are_what_torchs_muon_computes_on_speculators_
     with counter:
         for opt in build_optimizers(model, cfg):
             opt.step()
-    expected = compute.muon_flops_per_step(DRAFT, 5)
+    expected = flops.muon_flops_per_step(DRAFT, 5)
     assert expected > 0 and counter.get_total_flops() == expected, (counter.get_total_flops(), expected)
-    assert compute.muon_flops_per_step(DRAFT, 3) * 5 == expected * 3
+    assert flops.muon_flops_per_step(DRAFT, 3) * 5 == expected * 3
     with logged() as seen:
         train_log.DenseLog(every=1).count_flops(model, 3, "NVIDIA H200", "bfloat16", "muon", 1000, 5)
-        share = expected / (expected + 1000 * compute.draft_flops_per_token(DRAFT, 3))
+        share = expected / (expected + 1000 * flops.draft_flops_per_token(DRAFT, 3))
         assert f"{expected / 1e12:.2f} TFLOP a step (5 iterations)" in seen.lines[-1]
         assert f"{share:.0%} of a step's FLOPs, outside MFU" in seen.lines[-1]
         train_log.DenseLog(every=1).count_flops(model, 3, "NVIDIA H200", "bfloat16", "adamw", 1000, 5)
@@ -158,6 +158,6 @@ def test_muon_at_kimis_width_costs_about_as_much_as_the_model_at_8k_tokens_a_ste
             ("kv_a_proj_with_mqa.weight", (576, 2 * h)), ("kv_b_proj.weight", (64 * 256, 512)),
             ("o_proj.weight", (h, 64 * 128)), ("gate_proj.weight", (i, h)), ("up_proj.weight", (i, h)),
             ("down_proj.weight", (h, i))]
-    muon = compute.muon_flops_per_step([(n, s, True) for n, s in mats], 5)
+    muon = flops.muon_flops_per_step([(n, s, True) for n, s in mats], 5)
     assert 100e12 < muon < 115e12  # about 107 TFLOP a step
     assert 0.9 < muon / (13.36e9 * 8192) < 1.1
