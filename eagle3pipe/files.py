@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import sys
 
 from . import FORMAT_VERSION, REPO
@@ -35,6 +36,14 @@ _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS
 
 
 @contextlib.contextmanager
+def free_bytes(folder):
+    """The free bytes of the filesystem `folder` will be on (its nearest existing parent's, before it is made)."""
+    d = os.path.abspath(folder)
+    while not os.path.isdir(d):
+        d = os.path.dirname(d)
+    return shutil.disk_usage(d).free
+
+
 def atomic_path(path):
     """Yield a fresh temporary path beside `path` (created O_EXCL|O_NOFOLLOW, recorded); rename it onto `path` only
     if the block succeeds and `path` is absent or the stage's own (outdir.install)."""

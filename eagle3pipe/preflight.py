@@ -15,10 +15,9 @@ Memory model (an estimate, deliberately on the safe side):
 """
 import dataclasses
 import os
-import shutil
 from typing import Optional
 
-from . import compute, devices, engines, quantization
+from . import compute, devices, engines, files, quantization
 from .errors import UsageError
 from .devices import available_ram
 from .devices import visible_gpus
@@ -104,13 +103,6 @@ def check_memory(args, cfg, n_states, weights, gpus, rows, longest, note="", val
                          f"{worst * per_tok / 2**30:.1f} GiB but {avail / 2**30:.1f} GiB is left after the weights "
                          f"({where}); {hint}{note}")
     return avail, per_tok, worst
-
-
-def free_disk(folder):
-    d = os.path.abspath(folder)
-    while not os.path.isdir(d):
-        d = os.path.dirname(d)
-    return shutil.disk_usage(d).free
 
 
 def resolve_prepared(flag, path):
@@ -215,7 +207,7 @@ def plan(args):
     # a resumed run needs only what its existing files do not already hold
     have = sum(e.stat().st_size for e in os.scandir(args.output_dir) if e.name.startswith("hs_")) \
         if os.path.isdir(args.output_dir) else 0
-    free = free_disk(args.output_dir)
+    free = files.free_bytes(args.output_dir)
     if disk_need - have > free:
         raise UsageError(f"--output-dir {args.output_dir}: needs about {(disk_need - have) / 1e9:.2f} GB more, "
                          f"{free / 1e9:.2f} GB free")

@@ -5,7 +5,6 @@ differs, unless --overwrite restarts it)."""
 import dataclasses
 import logging
 import os
-import shutil
 
 from . import devices, files
 from .devices import available_ram
@@ -143,13 +142,6 @@ def check_sizes(s, text_cfg, rows, n_states, draft_vocab, device, dtype):
             f"{s.total_seq_len:,} tokens a step), and then the learning rate never reaches --lr")
 
 
-def free_bytes(folder):
-    d = os.path.abspath(folder)
-    while not os.path.isdir(d):
-        d = os.path.dirname(d)
-    return shutil.disk_usage(d).free
-
-
 def tree_bytes(path):
     return sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(path) for f in fs)
 
@@ -169,7 +161,7 @@ def check_disk(s, text_cfg, draft_vocab, tokens):
     if os.path.isdir(s.output_dir) and not s.overwrite:
         have = sum(tree_bytes(os.path.join(s.output_dir, n)) for n in os.listdir(s.output_dir)
                    if (n.isdigit() or n == "interrupted") and not os.path.islink(os.path.join(s.output_dir, n)))
-    free = free_bytes(s.output_dir)
+    free = files.free_bytes(s.output_dir)
     if need - have > free:
         cache = f" and the {s.cache_gb:g} GB --cache-gb" if s.cache_gb else ""
         raise UsageError(f"--output-dir {s.output_dir}: needs about {(need - have) / 1e9:.2f} GB more ({kept} "
