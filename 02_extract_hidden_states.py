@@ -20,7 +20,7 @@ share it).
 import os
 
 from eagle3pipe import cli, engines, faults, preflight
-from eagle3pipe.extract_output import finish, prepare_output, record_compute_dtype
+from eagle3pipe.extract_output import finish, opened, prepare_output, record_compute_dtype
 from eagle3pipe.rows import read_rows
 
 
@@ -73,7 +73,7 @@ def main():
     if args.verify:
         return finish(args, plan, identity, rows, {}, {"tokens": 0, "seconds": 0, "resumed": 0})
 
-    from eagle3pipe import backends, extraction
+    from eagle3pipe import extraction
     from eagle3pipe.progress import Progress
     mine = [i for i in range(len(rows)) if not args.shard or i % args.shard[1] == args.shard[0]]
     done = extraction.scan_existing(out, rows, plan.n_states, plan.hidden_size, mine)
@@ -84,7 +84,7 @@ def main():
     if todo:
         faults.kill_point("load")
         record_compute_dtype(out, plan)  # before the first file: a run killed later still counts
-        with backends.opened(args, plan, out) as backend:
+        with opened(args, plan, out) as backend:
             bar = Progress(len(mine), "extract", "samples", initial=len(done),
                            total_tokens=sum(len(rows[i]) for i in todo))
             failed, tokens, secs, stopped = extraction.run(backend, rows, todo, out, args, plan, bar)

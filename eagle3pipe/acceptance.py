@@ -21,6 +21,19 @@ import time
 from . import adapters
 
 
+def expected_acceptance(val_metrics):
+    """1 + a1 + a1*a2 + ...: the expected number of tokens a step yields (the verifier's own one, plus each draft
+    token accepted while every one before it was), from speculators' per-position `full_acc_{k}_epoch` (already the
+    product up to position k) on the validation rows. None without them."""
+    if not isinstance(val_metrics, dict):
+        return None
+    ks = sorted(int(k[len("full_acc_"):-len("_epoch")]) for k in val_metrics
+                if k.startswith("full_acc_") and k.endswith("_epoch") and k[len("full_acc_"):-len("_epoch")].isdigit())
+    if not ks:
+        return None
+    return round(1 + sum(float(val_metrics[f"full_acc_{k}_epoch"]) for k in ks), 6)
+
+
 def simulate(pred_ids_per_step, tokens, prompt_len, k, max_new_tokens, stop_ids):
     """vLLM's rounds over one prompt. `pred_ids_per_step[s][i]`: the draft's step-s guess (verifier vocabulary) at
     index i, the slot of token T[i+1] beside the states of token i; `tokens`: prompt + greedy continuation of at
@@ -72,13 +85,13 @@ def output_length(tokens, prompt_len, max_new_tokens, stops):
 
 def load_draft(path, dtype="float32", device="cpu", verifier_path=None):
     """A stage 04 checkpoint in speculators' training model, as the parity test loads it (an MLA draft through
-    adapters.mla_draft_layer). `verifier_path`: where the verifier is now (the config records the path stage 04 was
+    mla_draft.layer). `verifier_path`: where the verifier is now (the config records the path stage 04 was
     given, perhaps relative to another folder; speculators reads the verifier's embeddings from it when the
     checkpoint has none). -> (model, its aux layer ids)."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from . import adapters, mla_draft
-    scope = adapters.mla_draft_layer() if mla_draft.is_mla_checkpoint(path) else contextlib.nullcontext()
+    scope = mla_draft.layer() if mla_draft.is_mla_checkpoint(path) else contextlib.nullcontext()
     with scope:
         cfg = Eagle3SpeculatorConfig.from_pretrained(path)
         adapters.use_sdpa(cfg.transformer_layer_config)

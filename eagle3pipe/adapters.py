@@ -21,7 +21,7 @@ Why each one exists:
 - `loader_workers`: speculators' loaders build `DataLoader` by module-level name with `multiprocessing_context=
   "spawn"`; offline training's workers start from a fork server that has already imported what they need
   (warm_start.py: the first batch waited 23-39 s for a dozen spawned interpreters at Kimi's width).
-- `mla_draft_layer`: speculators builds a draft's decoder layer from `model_classes[<layer config's model_type>]`;
+- `draft_layer`: speculators builds a draft's decoder layer from `model_classes[<layer config's model_type>]`;
   the MLA draft's classes (mla_draft.py) go in there for the run.
 - `uncompiled`: on a GPU speculators compiles the draft's forward where the class is defined
   (`conditional_torch_compile`). The acceptance measure calls it once a prompt, each prompt another length, under
@@ -476,20 +476,19 @@ def register_backend(name, transfer_of):
 
 
 @contextlib.contextmanager
-def mla_draft_layer():
-    """speculators' map from a draft layer config's model_type to its decoder-layer classes gets the MLA draft's
-    (mla_draft.components) for the block; a speculators that has its own keeps it."""
+def draft_layer(model_type, components):
+    """speculators' map from a draft layer config's model_type to its decoder-layer classes gets `components()`'s
+    (mla_draft.layer() hands the MLA draft's) for the block; a speculators that has its own keeps it."""
     from speculators.models.eagle3 import model_definitions
-    from . import mla_draft
     classes = model_definitions.model_classes  # the dict itself: core.py holds the same object
-    if mla_draft.MODEL_TYPE in classes:
+    if model_type in classes:
         yield
         return
-    classes[mla_draft.MODEL_TYPE] = mla_draft.components()
+    classes[model_type] = components()
     try:
         yield
     finally:
-        classes.pop(mla_draft.MODEL_TYPE, None)
+        classes.pop(model_type, None)
 
 
 def own_verifier_norm(model, norm):

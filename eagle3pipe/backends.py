@@ -1,6 +1,6 @@
 """Stage 02's two ways of running the verifier.
 
-- HFBackend.forward([(row, ids)]) -> {row: extraction.Pending}: one padded batch; its host copy is queued by the
+- HFBackend.forward([(row, ids)]) -> {row: hidden_states.Pending}: one padded batch; its host copy is queued by the
   next forward() (or flush(), which the caller owes after its last batch) and lands behind that batch's compute.
   `recover()` after an out-of-memory error (the run loop splits the batch).
 - VLLMBackend.forward([(row, ids)]) -> {row: path of the file the engine is writing}; the engine's KV cache is
@@ -9,39 +9,11 @@
 Layer ids (see verifier.py): id k < n is the INPUT of decoder layer k, id n the OUTPUT of the last decoder
 layer before the final norm.
 """
-import contextlib
 import logging
 import os
 import threading
-import time
-
-from . import engines
 
 log = logging.getLogger("eagle3")
-
-
-@contextlib.contextmanager
-def opened(args, plan, out):
-    """Stage 02's verifier, loaded as the backend `args.backend` chooses (`args`: settings.Extract; `plan`:
-    preflight.Plan), for the `with` block. vLLM writes through its connector into a spool this process makes,
-    `<out>/.incoming/<pid>`; once the block ends normally, what the engine left there goes, and the spool with it."""
-    from . import outdir
-    from .spool import clear_spool
-    from .extract_output import INCOMING, engine_log
-    t_load, staging = time.time(), None
-    if engines.kind(args.backend) is engines.VLLM:
-        staging = outdir.make_dir(os.path.join(outdir.make_dir(os.path.join(out, INCOMING)), str(os.getpid())))
-        backend = VLLMBackend(args, plan.layer_ids, staging, on_gpu=plan.on_gpu, dtype=plan.compute.dtype,
-                              log_path=os.path.join(out, engine_log(args.shard)))
-    else:
-        backend = HFBackend(args.model_path, plan.layer_ids, args.trust_remote_code, storage=args.storage_dtype,
-                            dtype=plan.compute.dtype)
-    log.info(f"verifier loaded in {time.time() - t_load:.0f} s ({args.backend} backend, {plan.compute.dtype})")
-    yield backend
-    if staging:
-        clear_spool(staging)
-        outdir.remove(staging)
-        outdir.remove(os.path.dirname(staging))  # .incoming, unless another replica's engine still uses it
 
 
 class HFBackend:
@@ -107,7 +79,7 @@ class HFBackend:
         batch's forward runs while this one's files are written. The buffer is requested at one size (the largest
         batch's, which comes first), so the pinned-memory cache hands back a freed one instead of pinning new memory
         for every batch."""
-        from .extraction import Pending
+        from .hidden_states import Pending
         from .hidden_states import SCALES, quantize_fp8
         torch = self.torch
         t_max = max(len(ids) for _, ids in batch)

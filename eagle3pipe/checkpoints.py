@@ -9,6 +9,7 @@ import os
 import time
 
 from . import faults, files, mla_draft, outdir
+from .acceptance import expected_acceptance
 from .errors import RunError, UsageError
 from .ledger import ledger_of
 
@@ -23,19 +24,6 @@ STAGING = ".saving"  # speculators writes each checkpoint here; it is renamed in
 SAVE_FILES = (r"config\.json|config\.py|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|"
               r"model\.safetensors\.index\.json|optimizer_state_dict\.pt|scheduler_state_dict\.pt|"
               r"training_state\.json|train_command\.txt|val_metrics\.json")
-
-
-def expected_acceptance(val_metrics):
-    """1 + a1 + a1*a2 + ...: the expected number of tokens a step yields (the verifier's own one, plus each draft
-    token accepted while every one before it was), from speculators' per-position `full_acc_{k}_epoch` (already the
-    product up to position k) on the validation rows. None without them."""
-    if not isinstance(val_metrics, dict):
-        return None
-    ks = sorted(int(k[len("full_acc_"):-len("_epoch")]) for k in val_metrics
-                if k.startswith("full_acc_") and k.endswith("_epoch") and k[len("full_acc_"):-len("_epoch")].isdigit())
-    if not ks:
-        return None
-    return round(1 + sum(float(val_metrics[f"full_acc_{k}_epoch"]) for k in ks), 6)
 
 
 def best_score(val_metrics, measured):

@@ -118,9 +118,9 @@ def check_run(args, fp, text_cfg, gpus):
     bad = split_heads(args.tp_size, text_cfg)
     if bad:
         raise UsageError(f"--tp-size {args.tp_size}: must divide the verifier's {bad[0]} ({bad[1]})")
-    from . import engines, quantization
+    from . import quantization
     quant = quantization.read(args.model_path)
-    ok, why = engines.vllm_kernel_here(quant, bool(gpus))
+    ok, why = quantization.kernel_here(quant, bool(gpus))
     if not ok:  # vLLM would refuse it only after loading the verifier
         raise UsageError(f"--model-path {args.model_path}: the verifier is {quant.describe()}, and {why}; run stage "
                          f"05 on a GPU machine")

@@ -2,7 +2,7 @@
 writer and the online plan ask of each, and the server an --online run starts (the runtime classes are in
 backends.py), and the rules an engine is held to before anything loads (check_engine). The choice by name happens
 here alone (`kind`); a new backend is one class here, its runtime class, and one line in KINDS."""
-from . import compute
+from . import quantization
 from .errors import UsageError
 
 
@@ -39,12 +39,6 @@ def kind(name):
     return KINDS[name]
 
 
-def vllm_kernel_here(quant, on_gpu):
-    """quantization.vllm_kernel for this machine: (True, what runs it) or (False, why not)."""
-    from .quantization import vllm_kernel
-    return vllm_kernel(quant, on_gpu, compute.has_amx())
-
-
 def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader, quant=None, architecture=None):
     """The extraction engine's rules, the same for stage 02 and stage 04 --online, before anything loads: our CPU
     connector adapts vLLM's (its private names must be in the installed vLLM), tensor parallel divides the heads
@@ -54,7 +48,7 @@ def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader, quant=None, 
     verifier an engine that keeps it packed has no kernel for here is refused, naming why; so is an `architecture`
     (config.json's) the installed vLLM hands no auxiliary states out for (vllm_support.py)."""
     if quant and kind.keeps_quantized:
-        ok, why = vllm_kernel_here(quant, bool(gpus))
+        ok, why = quantization.kernel_here(quant, bool(gpus))
         if not ok:
             raise UsageError(f"--backend {kind.name}: the verifier is {quant.describe()}, and {why}; use --backend "
                              f"hf (transformers decompresses them: {quant.dequantized_bytes / 2**30:.2f} GiB in bf16) "

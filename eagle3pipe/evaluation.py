@@ -89,7 +89,7 @@ def rank(found, run):
     "tokens_per_s", "seconds_per_round"}], the best one's figures). At batch size 1 each proposal is one round
     (k draft steps and one verification), so the time a round takes is what a checkpoint costs, whatever it
     accepts: a deeper draft's cost beside its acceptance, from the same run."""
-    from .checkpoints import expected_acceptance
+    from .acceptance import expected_acceptance
     rows, figures = [], {}
     for name, path in found:
         figures[name] = got = run(os.path.abspath(path))
@@ -140,7 +140,7 @@ def measure_alone(args, plan):
     """Where vLLM does not run: acceptance.py's measure of every draft on the same prompts, ranked as vLLM's figures
     are. -> run()'s tuple with no engine figures: ([], None, None, ranking, measure)."""
     from . import acceptance
-    from .checkpoints import expected_acceptance
+    from .acceptance import expected_acceptance
     log.info("acceptance without vLLM: the verifier's greedy continuations in float32 through transformers, then one "
              "forward per draft")
     by_draft, ref_seconds = acceptance.measure_all(plan.drafts, args.model_path, plan.ids, args.num_speculative_tokens,
@@ -168,7 +168,7 @@ MARGIN = 0.15  # acceptance length: the trainer's estimate and vLLM's measuremen
 def reconcile(draft, measured):
     """The trainer's estimate for a checkpoint (its val_metrics.json) beside vLLM's measurement (`measured`: one
     batch size's figures) -> {"trainer": ..., "vllm": ..., "per_position": [[trainer, vllm], ...], "note"}."""
-    from .checkpoints import expected_acceptance
+    from .acceptance import expected_acceptance
     val = _val_metrics(draft)
     est, got = expected_acceptance(val), measured.get("acceptance_length")
     if est is None or got is None:

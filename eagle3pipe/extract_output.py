@@ -1,10 +1,11 @@
 """Stage 02's output folder: the files it owns, the run's identity (refusing another run's files), --overwrite, the
 per-replica shard reports, the final check of every file and manifest.json."""
+import contextlib
 import logging
 import os
 import time
 
-from . import faults, files, locks, outdir, verifier
+from . import backends, engines, faults, files, locks, outdir, verifier
 from .spool import clear_spool
 from .verifier_weights import verify
 from .errors import UsageError
@@ -165,3 +166,26 @@ def finish(args, plan, identity, rows, failed, stats):
         log.error(f"{len(failed)} samples failed (reasons in {out}/manifest.json); "
                   + ("stage 04 trains on the others" if ok else "none is left to train on"))
     return 1 if failed else 0
+
+
+@contextlib.contextmanager
+def opened(args, plan, out):
+    """Stage 02's verifier, loaded as the backend `args.backend` chooses (`args`: settings.Extract; `plan`:
+    preflight.Plan), for the `with` block. vLLM writes through its connector into a spool this process makes,
+    `<out>/.incoming/<pid>`; once the block ends normally, what the engine left there goes, and the spool with it."""
+    from . import outdir
+    from .spool import clear_spool
+    t_load, staging = time.time(), None
+    if engines.kind(args.backend) is engines.VLLM:
+        staging = outdir.make_dir(os.path.join(outdir.make_dir(os.path.join(out, INCOMING)), str(os.getpid())))
+        backend = backends.VLLMBackend(args, plan.layer_ids, staging, on_gpu=plan.on_gpu, dtype=plan.compute.dtype,
+                              log_path=os.path.join(out, engine_log(args.shard)))
+    else:
+        backend = backends.HFBackend(args.model_path, plan.layer_ids, args.trust_remote_code, storage=args.storage_dtype,
+                            dtype=plan.compute.dtype)
+    log.info(f"verifier loaded in {time.time() - t_load:.0f} s ({args.backend} backend, {plan.compute.dtype})")
+    yield backend
+    if staging:
+        clear_spool(staging)
+        outdir.remove(staging)
+        outdir.remove(os.path.dirname(staging))  # .incoming, unless another replica's engine still uses it

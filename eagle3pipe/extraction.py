@@ -185,16 +185,6 @@ def load_engine_file(path, token_ids, n_states, hidden, spool):
     return reason, tensors and {"hidden_states": tensors["hidden_states"]}
 
 
-class Pending:
-    """One sample's host tensors ({"hidden_states": [T, L+1, H], maybe "hidden_states_scales": [T, 1, 1]}) and
-    `bad` (a 0-d bool tensor: non-finite values), valid once `event` (a CUDA event; None on CPU) has completed:
-    the device-to-host copy runs behind the next batch's compute."""
-    __slots__ = ("tensors", "event", "bad")
-
-    def __init__(self, tensors, event=None, bad=False):
-        self.tensors, self.event, self.bad = tensors, event, bad
-
-
 def run(backend, rows, todo, out_dir, args, plan, progress):
     """Extract every row in `todo` (`args`: settings.Extract; `plan`: preflight.Plan). Returns (failed {row: reason},
     tokens done, seconds, the signal that stopped it or None). SIGTERM/SIGINT finish the batch in flight and its

@@ -33,6 +33,16 @@ _TORCH_DTYPES = {st: name.split(".")[1] for name, st in _ST_DTYPES.items()}  # "
 SCALE_MIN = 1e-12  # quantize_fp8's least scale (a token of zeros)
 
 
+class Pending:
+    """One sample's host tensors ({"hidden_states": [T, L+1, H], maybe "hidden_states_scales": [T, 1, 1]}) and
+    `bad` (a 0-d bool tensor: non-finite values), valid once `event` (a CUDA event; None on CPU) has completed:
+    the device-to-host copy runs behind the next batch's compute."""
+    __slots__ = ("tensors", "event", "bad")
+
+    def __init__(self, tensors, event=None, bad=False):
+        self.tensors, self.event, self.bad = tensors, event, bad
+
+
 def hs_path(folder, i):
     return os.path.join(folder, HS_NAME.format(i))
 

@@ -3,7 +3,7 @@ latent attention and a dense MLP, for DeepSeek-V3 / Kimi verifiers, served by vL
 
 - The layer is built inside speculators' Eagle3 model: transformers' `DeepseekV3DecoderLayer` with speculators'
   EAGLE-3 first-layer forward (`Eagle3FirstLayerMixin`: [embeddings | hidden states] in, 2 x hidden wide), its
-  two input projections (`q_a_proj`, `kv_a_proj_with_mqa`) widened to take that input. adapters.mla_draft_layer
+  two input projections (`q_a_proj`, `kv_a_proj_with_mqa`) widened to take that input. mla_draft.layer
   puts it into speculators' map from a layer config's `model_type` to its classes, for the run only.
 - Its shape comes from the verifier (`text_config` included): heads, kv/q latent ranks, rope / nope / v head dims,
   rope settings. The draft's own choices: as many KV heads as heads (MLA expands its latent to every head), a dense
@@ -154,3 +154,9 @@ def served_path(ckpt):
     """What to give vLLM for a stage 04 checkpoint: its `vllm/` folder when it has one, else the checkpoint."""
     p = os.path.join(ckpt, SERVED)
     return p if os.path.isfile(os.path.join(p, "config.json")) else ckpt
+
+
+def layer():
+    """adapters.draft_layer for the MLA draft: its classes in speculators' map for the block."""
+    from .adapters import draft_layer
+    return draft_layer(MODEL_TYPE, components)

@@ -232,7 +232,7 @@ def quant_line(q, kind, tp, on_gpu):
     if not kind.keeps_quantized:
         return (f"{q.describe()}; {q.stored_bytes / 1e9:.2f} GB as stored, decompressed by transformers to "
                 f"{q.dequantized_bytes / 1e9:.2f} GB in bf16")
-    _, runs = engines.vllm_kernel_here(q, on_gpu)
+    _, runs = quantization.kernel_here(q, on_gpu)
     return (f"{q.describe()}; {q.stored_bytes / 1e9:.2f} GB as stored, {q.stored_bytes / max(tp, 1) / 2**30:.2f} GiB "
             f"per GPU at TP {tp}; here: {runs}")
 

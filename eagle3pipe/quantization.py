@@ -187,3 +187,9 @@ def vllm_kernel(q, on_gpu, has_amx):
     if not why:
         return True, "vLLM's CPU int4 MoE kernel (CPUExpertsInt4)"
     return False, f"vLLM's CPU int4 MoE kernel needs {', '.join(why)}"
+
+
+def kernel_here(quant, on_gpu):
+    """vllm_kernel for this machine: (True, what runs it) or (False, why not)."""
+    from .compute import has_amx
+    return vllm_kernel(quant, on_gpu, has_amx())

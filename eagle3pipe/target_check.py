@@ -181,6 +181,6 @@ def _configs(model_path):
 def _norm_class(draft_arch):
     """The RMSNorm speculators builds the targets' norm from: the draft family's (its layer config's model_type)."""
     from speculators.models.eagle3.model_definitions import model_classes
-    from . import adapters, mla_draft
-    with adapters.mla_draft_layer():
+    from . import mla_draft
+    with mla_draft.layer():
         return model_classes[mla_draft.MODEL_TYPE if mla_draft.ARCHS[draft_arch].mla else draft_arch].norm_class

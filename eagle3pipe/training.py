@@ -369,7 +369,7 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_s
             from . import warm_start
             server = warm_start.WorkerServer().start()
             stack.enter_context(adapters.loader_workers(server.context, warm_start.worker_init))
-        for ctx in (adapters.muon_in_float32(dtype), adapters.recorded_artifacts(type(cfg)), adapters.mla_draft_layer(),
+        for ctx in (adapters.muon_in_float32(dtype), adapters.recorded_artifacts(type(cfg)), mla_draft.layer(),
                     acknowledged_signals()):
             stack.enter_context(ctx)
         scli.main(cfg)

@@ -57,8 +57,8 @@ def trained(draft, seen, dtype):
     """The draft's first TTT step in speculators' training model, on vLLM's inputs -> logits [n, draft vocab]."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from eagle3pipe import adapters, mla_draft
-    scope = adapters.mla_draft_layer() if mla_draft.is_mla_checkpoint(draft) else contextlib.nullcontext()
+    from eagle3pipe import mla_draft
+    scope = mla_draft.layer() if mla_draft.is_mla_checkpoint(draft) else contextlib.nullcontext()
     with scope:
         cfg = Eagle3SpeculatorConfig.from_pretrained(draft)
         cfg.transformer_layer_config._attn_implementation = "sdpa"  # as stage 04 trains on a CPU

@@ -87,7 +87,7 @@ def test_vllm_serves_the_mla_draft_without_the_norm_before_fc():
 def test_the_mla_layer_is_speculators_for_the_block_only():
     from speculators.models.eagle3 import model_definitions
     assert "deepseek_v3" not in model_definitions.model_classes
-    with adapters.mla_draft_layer():
+    with mla_draft.layer():
         first = model_definitions.model_classes["deepseek_v3"].first_layer_class
         assert first.__name__ == "DeepseekV3DecoderEagle3FirstLayer"
     assert "deepseek_v3" not in model_definitions.model_classes

@@ -734,7 +734,7 @@ def test_checkpoint_best_follows_the_expected_acceptance_not_the_loss(tmp_path):
     """Late in training the loss can keep falling while acceptance falls: epoch 1 has the lower loss, epoch 0 the
     higher acceptance (1 + a1 + a1*a2 + ...), and checkpoint_best stays on epoch 0, through the stage's trainer."""
     from speculators.train.checkpointer import SingleGPUCheckpointer
-    from eagle3pipe import checkpoints, training
+    from eagle3pipe import acceptance, checkpoints, training
     d = tmp_path / "ck"
     _claim(d, "train")
     from eagle3pipe import files
@@ -753,7 +753,7 @@ def test_checkpoint_best_follows_the_expected_acceptance_not_the_loss(tmp_path):
     for e, m in enumerate(epochs):
         t.maybe_update_best(e, m)
     assert os.readlink(d / "checkpoint_best") == "0" and t.best_val_loss == 9.7
-    assert checkpoints.best_acceptance(d) == checkpoints.expected_acceptance(epochs[0]) == 1.56
+    assert checkpoints.best_acceptance(d) == acceptance.expected_acceptance(epochs[0]) == 1.56
     assert outdir.owned(str(d / "checkpoint_best")) and outdir.owned(str(d / "0" / "val_metrics.json"))
     assert json.load(open(d / "1" / "val_metrics.json"))["expected_acceptance_length"] == 1.48  # every epoch's
     t.maybe_update_best(2, {**epochs[1], "full_acc_0_epoch": 0.9})
