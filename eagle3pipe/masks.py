@@ -116,12 +116,27 @@ def load_tokenizer(model_path, trust_remote_code=False):
 
 def render(tok, messages, generation_prompt, tools=None):
     try:
-        return _budgeted(tok, tok.apply_chat_template, messages, tools=tools, tokenize=False,
+        text = _budgeted(tok, tok.apply_chat_template, messages, tools=tools, tokenize=False,
                          add_generation_prompt=generation_prompt)
     except UsageError:
         raise
     except Exception as e:  # jinja2's raise_exception() and template bugs alike
         raise TemplateError(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return _unicode(text)
+
+
+def _unicode(text):
+    """The render, if it is text a tokenizer takes: a template that writes a lone surrogate ("\\ud800") makes a
+    string no UTF-8 encodes (the tokenizer's TypeError, a traceback, otherwise)."""
+    if not isinstance(text, str):
+        raise TemplateError(f"the template rendered a {type(text).__name__}, not text")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TemplateError(f"the template writes text that is not Unicode ({e.reason}: "
+                                f"{text[e.start:e.end].encode('unicode_escape').decode()[:20]})") from None
+    return text
 
 
 class PromptTooLong(Exception):
@@ -149,6 +164,10 @@ def prompt_ids(tok, messages, at_most=None, tools=None):
     twice that, for a normalizer's sake), raises PromptTooLong without tokenizing: a 49 MB prompt took two minutes.
     `tools`: the record's tool definitions, which the template writes into the prompt."""
     text = _budgeted(tok, tok.apply_chat_template, messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    try:
+        text = _unicode(text)
+    except TemplateError as e:
+        raise UsageError(f"the chat template of {getattr(tok, 'name_or_path', '') or 'the tokenizer'}: {e}") from None
     if at_most is not None and len(text) > 2 * at_most * longest_token(tok):
         raise PromptTooLong(len(text) // (2 * longest_token(tok)), len(text))
     return _encode(tok, text)["input_ids"]

@@ -186,6 +186,14 @@ def check_remote_code(model_path, trust_remote_code):
     if cfg.get("auto_map") and (not isinstance(model_type, str) or model_type not in types):
         raise UsageError(f"--model-path {model_path}: the model ships its own code (config.json auto_map, model_type "
                          f"{model_type!r} unknown to the installed transformers); {hint}")
+    if isinstance(model_type, str) and model_type not in types:  # neither transformers nor vLLM (whose config is
+        # transformers') can build it: every backend would fail as it loads, after the folder was taken
+        from .adapters import _dist
+        dist = _dist("transformers")
+        raise UsageError(f"--model-path {model_path}: config.json's model_type {model_type!r} is no family the "
+                         f"installed transformers{f' ({dist.version})' if dist else ''} knows, and the model ships no "
+                         f"code of its own (auto_map): nothing here can load it; a typo in config.json, or a newer "
+                         f"transformers")
     if os.path.isdir(model_path):
         tok_path = os.path.join(folder, "tokenizer_config.json")
         tok_path = tok_path if os.path.isfile(tok_path) else None

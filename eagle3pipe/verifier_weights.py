@@ -37,6 +37,8 @@ from .weight_files import ST_BYTES
 log = logging.getLogger("eagle3")
 
 FLOATS = ("BF16", "F16", "F32", "F64")
+F8 = ("F8_E4M3", "F8_E5M2")
+PACKED_METHODS = ("gptq", "awq")  # each Linear stored as <module>.qweight (+ qzeros, scales)
 PACKED = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")  # compressed-tensors' packed Linear
 SHOW = 3  # names a refusal lists
 
@@ -149,7 +151,8 @@ def _build(cfg, text_cfg, model_path, trust_remote_code):
             return None
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError, TypeError, AttributeError, ImportError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, ImportError, AssertionError, IndexError, RuntimeError,
+            OverflowError) as e:  # a config its own family's code refuses (an assert on pad_token_id, say)
         raise UsageError(f"--model-path {model_path}: transformers {transformers.__version__} cannot build the "
                          f"{model_type} model its config describes ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:200]}); the config does not match its family")
@@ -216,6 +219,11 @@ def check(model_path, cfg, text_cfg, trust_remote_code, tensors, wmap, quantizat
     root, own = _root(tensors, d)[0], d.base + "."
     bits = quantization.bits if quantization is not None and quantization.fmt == "pack-quantized" else 0
     quantized = quant_cfg is not None
+    method = quant_cfg.get("quant_method") if isinstance(quant_cfg, dict) else None
+    if method in PACKED_METHODS and not any(k.endswith(".qweight") for k in tensors):
+        raise UsageError(f"{where}: config.json quantizes with {method}, and no tensor is stored in its form (no "
+                         f"<module>.qweight): the weights are stored unquantized; drop its quantization_config, or "
+                         f"give its quantized weights")
     claimed, missing, modules = set(), [], set()
     heads = _root(tensors, d)[1]
     for name, (shape, floating) in d.tensors.items():
@@ -228,6 +236,12 @@ def check(model_path, cfg, text_cfg, trust_remote_code, tensors, wmap, quantizat
                 turned = " (transposed)" if len(shape) == 2 and got == shape[::-1] and shape[0] != shape[1] else ""
                 raise UsageError(f"{where}: {tensors[key][4]}: tensor {key} is {got}, the config makes it "
                                  f"{shape}{turned}: another model's weights, or a config that does not match them")
+            if floating and dtype not in FLOATS and method == "fp8":  # its weights are F8, each with its scale
+                scale = next((s for s in (".weight_scale_inv", ".weight_scale") if module and module + s in tensors), None)
+                if dtype not in F8 or scale is None:
+                    raise UsageError(f"{where}: {tensors[key][4]}: tensor {key} is stored as {dtype}"
+                                     + (" with no scale beside it" if dtype in F8 else "") + f"; the config's fp8 "
+                                     f"quantization stores a weight as F8_E4M3 with {module}.weight_scale_inv")
             if floating and dtype not in FLOATS and (bits or not quantized):  # fp8's weights are F8: its own form
                 raise UsageError(f"{where}: {tensors[key][4]}: tensor {key} is stored as {dtype}; the model computes "
                                  f"it in floating point, and " + (f"int{bits} pack-quantized weights are stored as "

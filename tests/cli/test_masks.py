@@ -409,3 +409,17 @@ def test_a_template_that_marks_no_answer_or_only_answers_is_refused_naming_it(mo
         lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
         assert p.returncode == 2 and len(lines) == 1 and says in lines[0], p.stderr[-2000:]
         assert f"--model-path {model}: " in lines[0] and not (tmp_path / f"out-{name}").exists()
+
+
+def test_a_template_that_writes_no_unicode_is_a_template_error_not_a_traceback(tokenizer):
+    """A template writing a lone surrogate ("\\ud800"): a string no UTF-8 encodes, which the tokenizer took as a
+    TypeError (a traceback, found by a held-out probe). It is the template's error, named so; a prompt's is one line."""
+    from eagle3pipe.errors import UsageError
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}{{ '\\ud800' }}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(masks.TemplateError, match=r"writes text that is not Unicode \(surrogates not allowed: "
+                                                   r"\\ud800\)"):
+        masks.tokenize_conversation(tok, CONV, 4096)
+    with pytest.raises(UsageError, match="writes text that is not Unicode"):
+        masks.prompt_ids(tok, CONV[:1])

@@ -179,3 +179,44 @@ def test_the_hf_backend_never_runs_a_verifier_filled_at_random(missing_one):
                                          r"layers\.7\.self_attn\.k_proj\.weight missing from the checkpoint "
                                          r"\(1 missing, 0 misshapen\), so initialised at random; refused"):
         HFBackend(missing_one["model"], [2, 15, 27, 30], dtype="float32")
+
+
+def test_configs_no_loader_would_take_are_one_line_before_anything_loads(families, model_path, tmp_path):
+    """Found by a held-out probe, each once a traceback after the folder was taken: a config its family's own code
+    refuses (pad_token_id past the vocabulary: an assert in the embedding), an fp8 quantization_config beside a
+    weight stored as I8 (a matmul of bf16 by int8 at the first forward), a gptq one over weights stored unquantized
+    (an ImportError of optimum, or random dequantization); and a model_type transformers does not know with no code
+    of its own (stage 02's load: ValueError)."""
+    from eagle3pipe import verifier
+    from eagle3pipe.errors import UsageError
+    from bad_drafts import write_st
+    src = families["llama"]
+
+    def variant(name, config=None, tensors=None):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        with open(d / "config.json") as f:
+            cfg = json.load(f)
+        (d / "config.json").write_text(json.dumps({**cfg, **(config or {})}))
+        if tensors is not None:
+            write_st(str(d / "model.safetensors"), tensors(tensors_of(src)))
+        return d
+    pad = variant("pad", {"pad_token_id": 10 ** 9})
+    with pytest.raises(UsageError, match=r"cannot build the llama model its config describes \(AssertionError: "):
+        _verify(pad)
+
+    def int8(t):
+        k = "model.layers.0.self_attn.q_proj.weight"
+        t[k] = ["I8", t[k][1], bytes(len(t[k][2]) // 2)]
+        return t
+    fp8 = variant("fp8", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, int8)
+    with pytest.raises(UsageError, match=r"tensor model\.layers\.0\.self_attn\.q_proj\.weight is stored as I8; the "
+                                         r"config's fp8 quantization stores a weight as F8_E4M3"):
+        _verify(fp8)
+    gptq = variant("gptq", {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}})
+    with pytest.raises(UsageError, match=r"quantizes with gptq, and no tensor is stored in its form"):
+        _verify(gptq)
+    unknown = variant("unknown", {"model_type": "foollama"})
+    with pytest.raises(UsageError, match=r"model_type 'foollama' is no family the installed transformers .* knows, "
+                                         r"and the model ships no code of its own"):
+        verifier.check_remote_code(str(unknown), False)
