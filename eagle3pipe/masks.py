@@ -38,8 +38,8 @@ class ToolCallsNotRendered(TemplateError):
 
 
 class TokenizerPanic(UsageError):
-    """The tokenizer's Rust code panicked (a pre-tokenizer regex past its backtracking limit): the verifier's files'
-    fault. pyo3 raises a PanicException, a BaseException no `except Exception` catches, with a traceback of 100
+    """The tokenizer's Rust code panicked (a pre-tokenizer regex past its backtracking limit), or refused the text (a
+    WordLevel vocabulary without its unknown token): the verifier's files' fault. pyo3 raises a PanicException, a BaseException no `except Exception` catches, with a traceback of 100
     lines; this is its one line."""
 
 
@@ -61,6 +61,10 @@ def _encode(tok, text, **kwargs):
     except BaseException as e:
         if _panic(e):
             raise _panic_line(tok, e) from None
+        if type(e) is Exception:  # how the Rust tokenizer refuses a text ("WordLevel error: Missing [UNK] token")
+            why = " ".join(str(e).split())[:200] or type(e).__name__
+            raise TokenizerPanic(f"the tokenizer of {getattr(tok, 'name_or_path', '') or 'the verifier'} failed: "
+                                 f"{type(e).__name__}: {why}; fix its tokenizer.json") from None
         raise
 
 

@@ -104,6 +104,8 @@ def read_index(folder):
         wmap = read_json(os.path.join(folder, INDEX))
     except UsageError as e:
         raise Bad(INDEX, str(e).replace(f"{os.path.join(folder, INDEX)}: ", "", 1))
+    if isinstance(wmap, dict) and not isinstance(wmap.get("metadata", {}), dict):  # transformers reads its fields
+        raise Bad(INDEX, f"its metadata is a JSON {type(wmap['metadata']).__name__}, not a table")
     wmap = wmap.get("weight_map") if isinstance(wmap, dict) else None
     if not (isinstance(wmap, dict) and wmap and all(isinstance(v, str) for v in wmap.values())):
         raise Bad(INDEX, "its weight_map is not a table of tensor -> file")

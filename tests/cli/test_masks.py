@@ -423,3 +423,26 @@ def test_a_template_that_writes_no_unicode_is_a_template_error_not_a_traceback(t
         masks.tokenize_conversation(tok, CONV, 4096)
     with pytest.raises(UsageError, match="writes text that is not Unicode"):
         masks.prompt_ids(tok, CONV[:1])
+
+
+def test_a_tokenizer_that_refuses_the_text_is_one_line_naming_it(model_path, tmp_path):
+    """A WordLevel tokenizer whose vocabulary lacks its own unknown token: the Rust library raises a bare Exception
+    on any word it does not know (found by a held-out probe: "error: Exception: ...", exit 1). It is the verifier's
+    tokenizer's fault, one line naming it (a panic: R/test_stage01_workers.py)."""
+    import json
+    import shutil
+    from transformers import AutoTokenizer
+    d = tmp_path / "tok"
+    d.mkdir()
+    for name in os.listdir(model_path):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_path, name), d / name)
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec.update(model={"type": "WordLevel", "unk_token": "[UNK]",
+                       "vocab": {"a": 0, "b": 1, **{t["content"]: t["id"] for t in spec["added_tokens"]}}},
+                pre_tokenizer={"type": "Whitespace"}, decoder=None, post_processor=None, normalizer=None)
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    tok = AutoTokenizer.from_pretrained(str(d))
+    with pytest.raises(masks.TokenizerPanic, match=r"the tokenizer of .* failed: Exception: WordLevel error: Missing "
+                                                   r"\[UNK\] token"):
+        masks.tokenize_conversation(tok, CONV, 4096)

@@ -96,7 +96,8 @@ def test_a_sharded_checkpoint_reads_through_its_index(tmp_path):
      "model-00003-of-00003.safetensors: missing (model.safetensors.index.json names it for 1 tensors, e.g. b)"),
     ({"weight_map": {"a": "model-00002-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}},
      "tensor a is not in model-00002-of-00002.safetensors"),
-], ids=["not-json", "list", "empty", "not-names", "outside", "missing-shard", "elsewhere"])
+    ({"metadata": [1], "weight_map": {"a": "model-00001-of-00002.safetensors"}}, "its metadata is a JSON list"),
+], ids=["not-json", "list", "empty", "not-names", "outside", "missing-shard", "elsewhere", "metadata-list"])
 def test_a_bad_index_is_named(tmp_path, index, says):
     _sharded(tmp_path, index)
     _refused(tmp_path, says)
