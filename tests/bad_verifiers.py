@@ -1,7 +1,8 @@
 """Bad verifier folders for the weights check (eagle3pipe/verifier_weights.py), generated from a real saved verifier
 with one thing wrong each: a tensor dropped, one added, one transposed, reshaped or retyped, a shard gone, the index
 naming the wrong file or a file that is not there, a header whose offsets overlap, only the embeddings and the final
-norm left. Which tensor each fault takes is drawn with a fixed seed per family, so a failure reproduces, and the
+norm left, and what two loaders would read differently (a tensor in two shards, a stray file beside the whole one,
+the whole file beside an index). Which tensor each fault takes is drawn with a fixed seed per family, so a failure reproduces, and the
 cases are generated from whatever the family's checkpoint holds, not listed."""
 import json
 import os
@@ -91,6 +92,20 @@ def cases(tensors, rng, packed=False):
                     f.write(len(raw).to_bytes(8, "little") + raw + data)
         return make
 
+    def twice(out):  # `gone` also written into the other shard: two copies, the index naming one
+        wmap = write_sharded(out, tensors)
+        other = next(f for f in sorted(set(wmap.values())) if f != wmap[gone])
+        part = {k: tensors[k] for k, f in wmap.items() if f == other}
+        write_st(os.path.join(out, other), {**part, gone: tensors[gone]})
+
+    def stray(out):  # the whole file, and a copy of one tensor in another file beside it, no index
+        write_st(os.path.join(out, "model.safetensors"), tensors)
+        write_st(os.path.join(out, "extra.safetensors"), {gone: tensors[gone]})
+
+    def both(out):  # the whole file and a sharded copy with its index: each loader takes another
+        write_sharded(out, tensors)
+        write_st(os.path.join(out, "model.safetensors"), tensors)
+
     def overlap(header):
         keys = [k for k in header if k != "__metadata__"]
         if len(keys) > 1:
@@ -122,6 +137,10 @@ def cases(tensors, rng, packed=False):
         ("index-names-a-stranger", sharded(edit_index=lambda m: m.__setitem__(gone, "model-00009-of-00009.safetensors")),
          ["model-00009-of-00009.safetensors: missing"]),
         ("offsets-overlap", sharded(lie=overlap), ["the header's offsets overlap or leave a gap"]),
+        ("in-two-shards", twice, [f"tensor {gone} is also in "]),
+        ("stray-beside-whole", stray, ["extra.safetensors: beside model.safetensors with no"]),
+        ("whole-and-sharded", both, ["beside model.safetensors: transformers loads model.safetensors, vLLM the "
+                                     "index's files"]),
     ]
 
 
