@@ -1,10 +1,12 @@
-"""Stage 05: measure what the draft is worth: acceptance length and speed-up through vLLM.
+"""Stage 05: measure what the draft is worth: acceptance length and speed-up through vLLM (where vLLM cannot run
+here, or with --vllm off: the acceptance measure alone, labelled so).
 
 Usage:
     python 05_evaluate.py --config configs/smollm2-135m.yaml --draft data/checkpoints/last
     python 05_evaluate.py --model-path M --draft D --prompts held_out.jsonl --num-prompts 100 --batch-sizes 1,8
     python 05_evaluate.py --config C --draft runA/checkpoint_best runB/checkpoint_best   # ranked on the same prompts
     python 05_evaluate.py --config C --draft D --dry-run   # every check, in seconds, nothing loaded or written
+    python 05_evaluate.py --config C --draft D --vllm off  # the acceptance measure alone (no vLLM; no speed-up)
 
 Inputs:  --model-path (verifier), --draft (stage 04 checkpoints, or stage 04 folders: each of their checkpoints is
          measured on the same prompts, ranked by acceptance, the best reported), --prompts (`sharegpt` by default: the
