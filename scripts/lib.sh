@@ -7,10 +7,19 @@
 _child=
 _stop() {
   trap - TERM INT HUP
-  if [ -n "$_child" ]; then
-    kill -TERM "$_child" 2>/dev/null || true
-    for _ in $(seq 100); do kill -0 "$_child" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$_child" 2>/dev/null || true
+  # the child, also when the signal came between its start and `_child=$!` (the shell knows its jobs from the fork:
+  # on a loaded machine a stop landed there, and the child outlived the script)
+  local pids p alive
+  pids="$_child $(jobs -p)"
+  if [ -n "${pids// /}" ]; then
+    kill -TERM $pids 2>/dev/null || true
+    for _ in $(seq 100); do
+      alive=
+      for p in $pids; do kill -0 "$p" 2>/dev/null && alive=1; done
+      [ -n "$alive" ] || break
+      sleep 0.1
+    done
+    kill -KILL $pids 2>/dev/null || true
   fi
   exit 143
 }

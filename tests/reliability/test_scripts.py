@@ -72,3 +72,28 @@ def test_setup_refuses_a_venv_it_did_not_make(tmp_path):
     assert p.returncode == 2 and len(lines) == 1 and "exists and was not made by scripts/setup.sh" in lines[0], \
         p.stderr
     assert os.listdir(root / ".venv") == ["bin"]
+
+
+def test_a_stop_between_the_child_s_start_and_its_record_still_reaches_it(tmp_path):
+    """`run` starts the child, then records its pid: a signal that lands between the two (seen once on a loaded
+    2-core machine: the child outlived the script and held its output open) still reaches the child, which the shell
+    knows as its job from the fork. Here the child is started as `run` would, and the stop comes before the record."""
+    pidfile = tmp_path / "child.pid"
+    script = tmp_path / "race.sh"
+    script.write_text(f'set -euo pipefail\n. "{REPO}/scripts/lib.sh"\n'
+                      f'bash -c \'echo $$ > "{pidfile}"; exec sleep 300\' &\n'
+                      f'while [ ! -s "{pidfile}" ]; do sleep 0.05; done\nkill -TERM $$\nwait\necho "not reached"\n')
+    p = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                       preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    assert p.returncode == 143 and "not reached" not in p.stdout, (p.returncode, p.stdout, p.stderr)
+    child = int(pidfile.read_text())
+    end = time.time() + 15
+    while time.time() < end:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived the script")
