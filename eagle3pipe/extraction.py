@@ -282,7 +282,7 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
             from .errors import UsageError
             raise UsageError(f"--model-path {args.model_path}: its hidden states are not finite on any of the first "
                              f"{min(FIRST_ROWS, len(todo))} rows it ran (weights holding inf or NaN, or a --dtype its "
-                             f"values overflow); nothing was written: check the verifier")
+                             f"values overflow); no hidden-state file was written: check the verifier, then rerun")
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
