@@ -28,7 +28,7 @@ class Plan:
     without_vllm: Optional[str] = None  # why vLLM does not run (the measure alone is reported), or None: it does
 
 
-def vllm_absent_reason(args, fp, tc, gpus, drafts, dtype):
+def vllm_absent_reason(fp, tc, gpus, drafts, dtype):
     """Why vLLM cannot measure these drafts here (not installed; no EAGLE-3 for the family; an engine that would die
     at start on this machine), or None: it can. Found from files and flags, before anything loads. Without `drafts`,
     what the verifier alone tells."""
@@ -62,7 +62,7 @@ def plan(args):
     from . import draft_check, evaluation
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     if args.vllm == "on":  # what the verifier alone tells, before the drafts are read
-        engine_choice(args, vllm_absent_reason(args, fp, tc, None, None, None))
+        engine_choice(args, vllm_absent_reason(fp, tc, None, None, None))
     verifier.check_chat_files(args.model_path)
     gpus = devices.visible_gpus()
     draft_check.check_run(args, fp, tc, gpus)  # the flags against the verifier's positions and the GPUs
@@ -70,7 +70,7 @@ def plan(args):
     drafts, mismatches = evaluation.drafts_to_measure(args.draft, fp, tc, args.tp_size, args.num_speculative_tokens)
     dtype = compute.resolve(args.dtype, bool(gpus))
     # in seconds, not after the verifier's load
-    without_vllm = engine_choice(args, vllm_absent_reason(args, fp, tc, gpus, drafts, dtype))
+    without_vllm = engine_choice(args, vllm_absent_reason(fp, tc, gpus, drafts, dtype))
     inputs = [("--model-path", args.model_path), ("--prompts", args.prompts), ("--prepared-data", args.prepared_data)]
     for d in args.draft:  # nothing goes inside a draft's stage 04 folder
         run = os.path.dirname(os.path.realpath(d)) if os.path.isfile(os.path.join(d, "config.json")) else d
