@@ -60,7 +60,14 @@ def exceptions(lines):
     state, found, chains = {}, [], 0
     for line in lines:
         tag, text = _strip(line)
-        st = state.setdefault(tag, {"in_tb": False, "frames": 0, "chain": None, "linked": False})
+        st = state.setdefault(tag, {"in_tb": False, "frames": 0, "chain": None, "linked": False, "more": None})
+        if st["more"] is not None:  # an exception whose message ends "Reasons:": its reasons are the next lines
+            k, left = st["more"]
+            if text.strip() and not text.rstrip().endswith("Traceback (most recent call last):") and left:
+                found[k] = (found[k][0], found[k][1] + " " + " ".join(text.split()))
+                st["more"] = (k, left - 1) if left > 1 else None
+                continue
+            st["more"] = None
         if text.rstrip().endswith("Traceback (most recent call last):"):  # "Original Traceback ...": a worker's
             if not st["linked"]:
                 chains += 1
@@ -78,6 +85,8 @@ def exceptions(lines):
         st["in_tb"] = False
         if _EXC.match(text.strip()):
             found.append((st["chain"], " ".join(text.split())))
+            if text.rstrip().endswith(":"):
+                st["more"] = (len(found) - 1, 3)
     return found
 
 

@@ -53,6 +53,9 @@ def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader, quant=None, 
             raise UsageError(f"--backend {kind.name}: the verifier is {quant.describe()}, and {why}; use --backend "
                              f"hf (transformers decompresses them: {quant.dequantized_bytes / 2**30:.2f} GiB in bf16) "
                              f"or a GPU machine")
+    why = None if kind.keeps_quantized else quantization.transformers_refusal(quant, bool(gpus), dtype)
+    if why:
+        raise UsageError(f"--backend {kind.name}, compute dtype {dtype}: {why}")
     if not kind.connector:
         return
     from .vllm_support import eagle3_refusal

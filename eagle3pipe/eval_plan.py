@@ -6,7 +6,8 @@ import logging
 import os
 from typing import Optional
 
-from . import cli, compute, conversations, devices, files, heldout, masks, outdir, tokenize_workers, verifier, vllm_support
+from . import (cli, compute, conversations, devices, files, heldout, masks, outdir, quantization, tokenize_workers,
+               verifier, vllm_support)
 
 log = logging.getLogger("eagle3")
 
@@ -71,6 +72,9 @@ def plan(args):
     dtype = compute.resolve(args.dtype, bool(gpus))
     # in seconds, not after the verifier's load
     without_vllm = engine_choice(args, vllm_absent_reason(fp, tc, gpus, drafts, dtype))
+    why = quantization.transformers_refusal(quantization.read(args.model_path), bool(gpus), dtype.dtype)
+    if why and (without_vllm or args.measure != "off"):  # the measure runs the verifier in transformers
+        raise cli.UsageError(f"--model-path {args.model_path}: the acceptance measure, compute dtype {dtype.dtype}: {why}")
     inputs = [("--model-path", args.model_path), ("--prompts", args.prompts), ("--prepared-data", args.prepared_data)]
     for d in args.draft:  # nothing goes inside a draft's stage 04 folder
         run = os.path.dirname(os.path.realpath(d)) if os.path.isfile(os.path.join(d, "config.json")) else d

@@ -115,7 +115,22 @@ def load_tokenizer(model_path, trust_remote_code=False):
         raise UsageError(f"--model-path {model_path}: its tokenizer failed to load: {type(e).__name__}: {cause}")
     if not getattr(tok, "chat_template", None):
         raise UsageError(f"--model-path {model_path}: the tokenizer has no chat template")
+    _check_deterministic(tok, model_path)
     return tok
+
+
+def _check_deterministic(tok, model_path):
+    """A tokenizer that samples its merges (BPE dropout, SentencePiece's sampling) splits the same text differently
+    on every call: the rows would hold splits the verifier's engine never makes, and no two runs would agree."""
+    model = getattr(getattr(tok, "backend_tokenizer", None), "model", None)
+    dropout = getattr(model, "dropout", None)
+    if dropout:
+        raise UsageError(f"--model-path {model_path}: its tokenizer.json sets BPE dropout {dropout:.3g}: it splits "
+                         f"text at random, unlike the verifier's engine at inference; set the model's \"dropout\" "
+                         f"to null")
+    if (getattr(tok, "sp_model_kwargs", None) or {}).get("enable_sampling"):
+        raise UsageError(f"--model-path {model_path}: its tokenizer samples its SentencePiece splits "
+                         f"(sp_model_kwargs enable_sampling): it splits text at random; drop that setting")
 
 
 def render(tok, messages, generation_prompt, tools=None):
@@ -253,6 +268,10 @@ def _answer_start(tok, messages, i, full, tools=None):
     a, b = (render(tok, messages[:i] + [dict(messages[i], content=x)], False, tools) for x in "AB")
     ab = _common(a, b)
     start = _common(p, full)
+    if start < ab:
+        # p and full part before the answer does: the turn's own header is not the prompt's (a turn number, another
+        # role name). What lies between is the template's text, not the verifier's answer: not trained
+        return None
     return ab if k <= ab < start and full.startswith(a[:ab]) else start
 
 
@@ -418,5 +437,24 @@ def tokenize_conversation(tok, messages, max_seq_len, tools=None):
             mask += [m] * len(t)
             if len(ids) > max_seq_len:
                 break  # the rest would be cut anyway
-    info = {"unaligned": unaligned, "truncated": len(ids) > max_seq_len}
+    info = {"unaligned": unaligned, "truncated": len(ids) > max_seq_len,
+            "answered": _answered(tok, full, ids[:max_seq_len], mask, whole and whole[1])}
     return ids[:max_seq_len], mask[:max_seq_len], info
+
+
+def _answered(tok, full, ids, mask, offsets):
+    """Whether a trained token carries answer text: one that is not blank and not a marker (special or added). A
+    template that renders an answer empty, a vocabulary that has no token for its text, a normalizer that erases it:
+    each leaves an end-of-turn marker alone trained, which would teach the draft nothing but where turns end."""
+    markers = None
+    for k, (t, m) in enumerate(zip(ids, mask)):
+        if not m:
+            continue
+        text = full[offsets[k][0]:offsets[k][1]] if offsets else tok.decode([t])
+        if not text.strip():
+            continue
+        if markers is None:
+            markers = set(tok.all_special_ids) | set(getattr(tok, "get_added_vocab", dict)().values())
+        if t not in markers:
+            return True
+    return False

@@ -57,6 +57,11 @@ def check_marks(args, rows, skipped, rendered):
         raise cli.UsageError(f"{where} marks no assistant turn in any of the {rendered:,} conversations it rendered "
                              f"(the render with an answer adds nothing to the render that asks for it); fix the "
                              f"template (tokenizer_config.json or chat_template.jinja)")
+    if rendered and not rows and skipped["answers_rendered_empty"] == rendered:
+        raise cli.UsageError(f"--model-path {args.model_path}: no answer's text reaches a trained token in any of the "
+                             f"{rendered:,} conversations (only end-of-turn markers would train): its chat template "
+                             f"renders the answers empty, or its tokenizer drops their text (an empty vocabulary, a "
+                             f"normalizer that erases it)")
     if rows and all(all(r["loss_mask"]) for r in rows):
         raise cli.UsageError(f"{where} renders the {len(rows):,} conversations as answer text alone: every token of "
                              f"every row would be trained, no prompt is context; fix the template "
@@ -138,6 +143,9 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
             if not any(mask):
                 skipped["nothing_trainable_after_truncation" if meta["truncated"] else
                         "unaligned" if meta["unaligned"] else "nothing_trainable"] += 1
+                continue
+            if not meta["answered"]:  # its answers have text, the trained tokens none: the template's or tokenizer's
+                skipped["answers_rendered_empty"] += 1
                 continue
             if max(ids) >= vocab:
                 raise cli.UsageError(f"record {rid}: token id {max(ids)} >= the verifier's vocab size {vocab}; "

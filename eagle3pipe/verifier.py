@@ -18,6 +18,7 @@ from .hub import HUB_ID, hub_file
 
 LAYER_ID_CONVENTION = ("id k < n = input of decoder layer k (0 = embedding output); id n = output of the "
                        "last decoder layer before the final norm")
+TEMPLATE_BYTES = 64 << 20
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model",
                    "vocab.json", "merges.txt", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "added_tokens.json")
@@ -313,7 +314,11 @@ def check_chat_files(model_path):
         from .files import open_input
         try:
             with open_input(jinja, encoding="utf-8") as f:
-                templates.append((jinja, f.read(8 << 20)))
+                size = os.fstat(f.fileno()).st_size
+                if size > TEMPLATE_BYTES:  # read whole below (a cut template does not parse): bounded here
+                    raise UsageError(f"{jinja}: {size / 2**20:,.0f} MiB, past the {TEMPLATE_BYTES >> 20} MiB a chat "
+                                     f"template may have (templates are kilobytes): is it the right file?")
+                templates.append((jinja, f.read()))
         except (OSError, ValueError) as e:
             raise UsageError(f"{jinja}: unreadable ({getattr(e, 'strerror', None) or e})")
     for name in ("chat_template.json", "tokenizer_config.json"):

@@ -48,7 +48,7 @@ def test_chatml_masks_exactly_the_assistant_turns(tokenizer):
     full = tokenizer.apply_chat_template(CONV, tokenize=False)
     assert tokenizer.decode(ids) == full
     assert "You are a helpful AI assistant named SmolLM" in full  # the injected default system prompt
-    assert info == {"unaligned": 0, "truncated": False}
+    assert info == {"unaligned": 0, "truncated": False, "answered": True}
 
 
 def test_system_prompt_given_and_conversation_opening_with_assistant(tokenizer):
@@ -180,6 +180,51 @@ def test_a_template_that_moves_earlier_text_leaves_those_turns_untrained(tokeniz
     ids, mask, info = masks.tokenize_conversation(tok, [{"role": "system", "content": "Be brief."}] + CONV, 4096)
     assert info["unaligned"] == 1
     assert masked_spans(tok, ids, mask) == ["2+2 equals 4." + tok.eos_token]
+
+
+def test_a_turn_whose_header_the_generation_prompt_does_not_write_is_left_untrained(tokenizer):
+    """Found by a held-out probe: a generation prompt that is not the rendered turn's own header (a turn number, the
+    role named "bot" in the turn and "assistant" in the prompt) trained the header's rest as the answer's first
+    tokens. Prompt and render part before the answer does: the turn is unaligned, counted, and not trained; the
+    R1-style prompt that opens the answer (above) still trains."""
+    for template in (
+            "{% for m in messages %}### Turn {{ loop.index }}\n{{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}### Turn next\nassistant: {% endif %}",
+            "{% for m in messages %}<|im_start|>{{ 'bot' if m.role == 'assistant' else m.role }}\n{{ m.content }}"
+            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"):
+        tok = copy.deepcopy(tokenizer)
+        tok.chat_template = template
+        ids, mask, info = masks.tokenize_conversation(tok, CONV, 4096)
+        assert info["unaligned"] == 2 and not any(mask), masked_spans(tok, ids, mask)
+
+
+def test_answers_whose_text_reaches_no_trained_token_are_not_trained(tokenizer):
+    """Found by a held-out probe: a template that renders the answer empty kept rows whose only trained tokens were
+    "<|im_end|>\n": the draft would learn where turns end and nothing of the verifier's answers."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role != 'assistant' %}"
+                         "{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    ids, mask, info = masks.tokenize_conversation(tok, CONV, 4096)
+    assert masked_spans(tok, ids, mask) == ["<|im_end|>\n", "<|im_end|>\n"] and info["answered"] is False
+
+
+def test_a_tokenizer_that_splits_at_random_is_refused(model_path, tmp_path):
+    """BPE dropout in tokenizer.json: the same text split otherwise at every call, never as the verifier's engine
+    splits it (found by a held-out probe: accepted silently)."""
+    import json
+    import shutil
+    from eagle3pipe.errors import UsageError
+    d = tmp_path / "tok"
+    d.mkdir()
+    for name in os.listdir(model_path):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_path, name), d / name)
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["model"]["dropout"] = 0.1
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(UsageError, match=r"its tokenizer.json sets BPE dropout 0.1: it splits text at random"):
+        masks.load_tokenizer(str(d))
 
 
 def test_a_sentencepiece_tokenizer_gets_the_render_s_own_tokens(tokenizer):
@@ -315,7 +360,7 @@ def test_tool_calls_render_where_the_template_puts_them_with_tools_in_every_rend
             {"role": "tool", "content": "A"}, {"role": "tool", "content": "B"},
             {"role": "assistant", "content": "a is A, b is B."}]
     ids, mask, info = masks.tokenize_conversation(tok, conv, 4096, tools)
-    assert info == {"unaligned": 0, "truncated": False}
+    assert info == {"unaligned": 0, "truncated": False, "answered": True}
     assert tok.decode(ids) == tok.apply_chat_template(conv, tools=tools, tokenize=False)
     # stage 05's prompt of such a record: the tools written into it, the answer's header last
     prompt = tok.decode(masks.prompt_ids(tok, conv[1:2], tools=tools))
@@ -402,7 +447,11 @@ def test_a_template_that_marks_no_answer_or_only_answers_is_refused_naming_it(mo
              "its chat template renders 6 of 6 assistant turns where no render up to them puts them"),
             ("answers", "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}<|im_end|>{% endif %}"
                         "{% endfor %}",
-             "its chat template renders the 3 conversations as answer text alone")):
+             "its chat template renders the 3 conversations as answer text alone"),
+            ("empty", "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role != 'assistant' %}{{ m.content }}"
+                      "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                      "{% endif %}",
+             "no answer's text reaches a trained token in any of the 3 conversations")):
         model = model_with_template(model_path, tmp_path / name, template)
         p, _ = run_script("01_prepare_dataset.py", "--model-path", str(model), "--dataset", str(data),
                           "--output-dir", str(tmp_path / f"out-{name}"), "--max-seq-len", "256")

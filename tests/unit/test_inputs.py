@@ -120,6 +120,17 @@ def test_the_templates_transformers_takes_parse(tmp_path):
     verifier.check_chat_files(str(tmp_path))
 
 
+def test_a_long_template_is_parsed_whole_and_an_absurd_one_refused(tmp_path):
+    # a valid template after a 9 MB comment was refused as unparsable: the check read its first 8 MiB (a held-out probe)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text("{# " + "x" * (9 << 20) + " #}{{ messages }}")
+    verifier.check_chat_files(str(tmp_path))
+    with open(tmp_path / "chat_template.jinja", "r+b") as f:
+        f.truncate(65 << 20)
+    with pytest.raises(UsageError, match=r"chat_template.jinja: 65 MiB, past the 64 MiB a chat template may have"):
+        verifier.check_chat_files(str(tmp_path))
+
+
 def test_a_tokenizer_file_that_is_not_json_is_named_not_taken_for_another_verifier(tmp_path):
     # its hash differed from stage 01's: "come from different verifiers ... rerun 01_prepare_dataset.py"
     json.dump({"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 16}, open(tmp_path / "config.json", "w"))

