@@ -14,11 +14,13 @@ Outputs: --output-dir/tokenized_data.jsonl  one {"id", "input_ids", "loss_mask"}
          --output-dir/manifest.json         arguments, verifier fingerprint, counts, versions, command
 Selection: the first --num-samples records of the source (so records after them stay held out for
 stage 05), written in an order shuffled by --seed. Every assistant turn is trained.
---regenerate: the verifier first rewrites every assistant turn through vLLM (eagle3pipe/regenerate.py), resumably;
+--regenerate: the verifier first rewrites every assistant turn through vLLM (eagle3pipe/prepare/regenerate.py), resumably;
          its answers also land in --output-dir/regenerated.jsonl.
 The output folder must be new, empty or an earlier stage 01 output: only this stage's own files are replaced.
 """
-from eagle3pipe import cli, outdir, preparation, regenerate
+from eagle3pipe.config import cli
+from eagle3pipe.storage import outdir
+from eagle3pipe.prepare import preparation, regenerate
 
 def parse_args(argv=None):
     p = cli.Parser(description="Stage 01: tokenize chat data with assistant-only loss masks.")

@@ -19,9 +19,12 @@ share it).
 """
 import os
 
-from eagle3pipe import cli, engines, faults, preflight
-from eagle3pipe.extract_output import finish, opened, prepare_output, record_compute_dtype
-from eagle3pipe.rows import read_rows
+from eagle3pipe.config import cli
+from eagle3pipe.engines import engines
+from eagle3pipe.base import faults
+from eagle3pipe.extract import preflight
+from eagle3pipe.extract.extract_output import finish, opened, prepare_output, record_compute_dtype
+from eagle3pipe.storage.rows import read_rows
 
 
 def parse_args(argv=None):
@@ -73,8 +76,8 @@ def main():
     if args.verify:
         return finish(args, plan, identity, rows, {}, {"tokens": 0, "seconds": 0, "resumed": 0})
 
-    from eagle3pipe import extraction
-    from eagle3pipe.progress import Progress
+    from eagle3pipe.extract import extraction
+    from eagle3pipe.base.progress import Progress
     mine = [i for i in range(len(rows)) if not args.shard or i % args.shard[1] == args.shard[0]]
     done = extraction.scan_existing(out, rows, plan.n_states, plan.hidden_size, mine)
     todo = [i for i in mine if i not in done]

@@ -16,7 +16,8 @@ earlier stage 03 output: only this stage's own files are replaced.
 import os
 import re
 
-from eagle3pipe import cli, files, outdir
+from eagle3pipe.config import cli
+from eagle3pipe.storage import files, outdir
 
 
 def parse_args(argv=None):
@@ -50,7 +51,7 @@ def main():
                     f"{args.draft_vocab_size:,} (its manifest says so, and stage 04 reads that)")
 
     import numpy as np
-    from eagle3pipe.vocab import build_mapping
+    from eagle3pipe.prepare.vocab import build_mapping
     freq_path = os.path.join(args.prepared_data, "token_freq.npy")
     try:
         freq = files.load_npy(freq_path)

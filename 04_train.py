@@ -9,8 +9,8 @@ Usage:
 
 Inputs:  stages 01 (rows, loss masks), 02 (hidden states, layer ids), 03 (d2t/t2d); all three manifests and the
          files are checked against each other and the verifier before anything heavy is imported. With --online no
-         stage 02: an extraction engine (vLLM's server or eagle3pipe/hf_server.py) generates each batch's states
-         ahead of the trainer; they are deleted once read, or kept up to --cache-gb (eagle3pipe/online.py).
+         stage 02: an extraction engine (vLLM's server or eagle3pipe/engines/hf_server.py) generates each batch's states
+         ahead of the trainer; they are deleted once read, or kept up to --cache-gb (eagle3pipe/train/online.py).
 Outputs: --output-dir/<epoch>/ speculators checkpoints (config.json + model.safetensors), `last` and
          `checkpoint_best` pointers, manifest.json, train.log-style dense lines on stderr. A rerun of the same
          command resumes from the last checkpoint (mid-epoch ones with --checkpoint-freq < 1).
@@ -20,7 +20,11 @@ Trainer run on CPU (eager loss, sdpa attention).
 import argparse
 import os
 
-from eagle3pipe import checkpoints, cli, engines, errors, mla_draft, train_plan, validation_measure
+from eagle3pipe.train import checkpoints, train_plan, validation_measure
+from eagle3pipe.config import cli
+from eagle3pipe.engines import engines
+from eagle3pipe.base import errors
+from eagle3pipe.drafts import mla_draft
 
 
 def parse_args(argv=None):
@@ -115,7 +119,7 @@ def main():
     errors.MEMORY = train_plan.memory_hint(args, plan.rows, plan.device.on_gpu, plan.states is not None)
     out, previous = checkpoints.prepare_output(args, plan.identity, plan.inputs, rank,  # rank 0 holds the folder's
                                                carry=lambda old: train_plan.horizon(args))  # lock from here on
-    from eagle3pipe import online, train_data, training
+    from eagle3pipe.train import online, train_data, training
     on_cpu, dtype = train_plan.confirm_device(args, plan, rank)
     if rank == 0:
         training.write_draft_layer(out, plan.recipe, plan.text_cfg, args.num_layers)

@@ -21,7 +21,11 @@ without a draft, so equality is only meaningful one prompt at a time.
 """
 import os
 
-from eagle3pipe import cli, errors, eval_plan, heldout, outdir
+from eagle3pipe.config import cli
+from eagle3pipe.base import errors
+from eagle3pipe.evaluate import eval_plan
+from eagle3pipe.chat import heldout
+from eagle3pipe.storage import outdir
 
 ENGINE_LOG = "engine.log"
 
@@ -47,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--output-dir", default="data/eval", help="stage 05 output folder")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--measure", choices=["auto", "on", "off"], default="auto",
-                   help="also measure acceptance without vLLM (eagle3pipe/acceptance.py: the verifier's greedy "
+                   help="also measure acceptance without vLLM (eagle3pipe/measures/acceptance.py: the verifier's greedy "
                         "continuations through transformers in float32, then one forward per draft) and report it "
                         "beside vLLM's figure; auto: on when the verifier's weights are at most 10 GB")
     p.add_argument("--vllm", choices=["auto", "on", "off"], default="auto",
@@ -72,7 +76,7 @@ def main():
         return 0
     out = outdir.claim("--output-dir", args.output_dir, "evaluate", plan.inputs)
     eval_plan.announce(args, plan)
-    from eagle3pipe import eval_report, evaluation
+    from eagle3pipe.evaluate import eval_report, evaluation
     results = evaluation.run(args, plan, os.path.join(out, ENGINE_LOG))
     report = eval_report.build(args, plan, *results)
     eval_report.write(out, args, plan, report)

@@ -45,7 +45,7 @@ def main():
     ap.add_argument("--avx2", action="store_true")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     a = ap.parse_args()
-    from eagle3pipe import compute
+    from eagle3pipe.base import compute
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(AVX2 if a.avx2 else {}))
     w = os.path.abspath(a.work)
     os.makedirs(w, exist_ok=True)

@@ -31,7 +31,7 @@ def child(setting, log_path):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "2"
     else:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    from eagle3pipe import engine
+    from eagle3pipe.engines import engine
     t0 = time.perf_counter()
     llm = engine.make_llm(MODEL, tp=1, max_model_len=157, on_gpu=False, trust_remote_code=False, dtype="float32",
                           log_path=log_path, enable_prefix_caching=False, max_num_seqs=1)

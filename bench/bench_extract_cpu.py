@@ -26,8 +26,8 @@ MODEL = os.path.join(REPO, "data", "models", "smollm2-135m-instruct")
 
 def bare_prefill(prep, batch_size, max_seq_len):
     """In a fresh process (vLLM's engine does not shut down cleanly in-process): tokens/s of a bare prefill."""
-    from eagle3pipe.engine import cpu_vllm_env
-    from eagle3pipe.extraction import make_batches
+    from eagle3pipe.engines.engine import cpu_vllm_env
+    from eagle3pipe.extract.extraction import make_batches
     cpu_vllm_env()
     from vllm import LLM, SamplingParams
     rows = [json.loads(l)["input_ids"] for l in open(os.path.join(prep, "tokenized_data.jsonl"))]
@@ -72,7 +72,7 @@ def main():
            "ratio_vs_bare": round(statistics.mean(ours) / statistics.mean(bare), 3),
            "stage02_gb": round(man["counts"]["bytes"] / 1e9, 2)}
     if not a.no_speculators:
-        from eagle3pipe.conversations import iter_records
+        from eagle3pipe.chat.conversations import iter_records
         convs = [rec for (_, rec), _ in zip(iter_records("sharegpt"), range(a.num_samples))]
         data = os.path.join(work, "conversations.json")
         json.dump(convs, open(data, "w"))

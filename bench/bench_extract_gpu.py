@@ -43,7 +43,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=8)
     a = ap.parse_args()
     import torch
-    from eagle3pipe.extraction import make_batches
+    from eagle3pipe.extract.extraction import make_batches
     ngpu = torch.cuda.device_count()
     w, py = a.work, sys.executable
     model, prep = f"{w}/verifier", f"{w}/prep"

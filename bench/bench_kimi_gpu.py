@@ -28,7 +28,7 @@ def cold_bare(model, prep, batch_size):
 import json, sys
 from bench.common import bare_forward
 from bench.bench_kimi_gpu import bare_steady
-from eagle3pipe.extraction import make_batches
+from eagle3pipe.extract.extraction import make_batches
 rows = [json.loads(l)["input_ids"] for l in open({prep!r} + "/tokenized_data.jsonl")]
 per_batch = []
 secs = bare_forward({model!r}, rows, make_batches(range(len(rows)), [len(x) for x in rows], {batch_size}), per_batch)
@@ -74,7 +74,7 @@ def main():
     ap.add_argument("--no-cold", action="store_true", help="skip the cold bare pass in a fresh process")
     a = ap.parse_args()
     import torch
-    from eagle3pipe.extraction import make_batches
+    from eagle3pipe.extract.extraction import make_batches
     py, w, res = sys.executable, a.work, {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     os.makedirs(w, exist_ok=True)
     bs = ["--batch-size", str(a.batch_size)]

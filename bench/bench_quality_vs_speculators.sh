@@ -21,7 +21,7 @@ mkdir -p "$WORK/ours" && touch "$WORK/.bench-quality-made"
 $PY - "$N" "$PROMPTS" "$WORK" <<'EOF'
 import json, sys
 sys.path.insert(0, ".")
-from eagle3pipe.conversations import iter_records
+from eagle3pipe.chat.conversations import iter_records
 n, p, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 recs = []
 for _, r in iter_records("sharegpt"):

@@ -1,4 +1,4 @@
-"""Benchmark: stage 01's rows as stages 02 and 04 hold them (eagle3pipe/rows.py, one int32 and one uint8 array)
+"""Benchmark: stage 01's rows as stages 02 and 04 hold them (eagle3pipe/storage/rows.py, one int32 and one uint8 array)
 against the Python lists they replaced, on all the embedded conversations; and stage 04's Arrow table built from
 each. Every case runs in its own process, alternated (lists, arrays, ...), timed and measured by its peak resident
 memory (ru_maxrss); a process that only imports the same libraries gives the floor both stand on.
@@ -26,7 +26,7 @@ CASE = r"""
 import json, os, resource, sys, time
 sys.path.insert(0, {repo!r})
 import numpy, datasets
-from eagle3pipe.rows import read_rows
+from eagle3pipe.storage.rows import read_rows
 folder, case, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 t = time.perf_counter()
 if case.startswith("lists"):
@@ -45,7 +45,7 @@ if case == "lists+table":
     datasets.Dataset.from_dict({{"input_ids": [r[0] for r in rows], "loss_mask": [r[1] for r in rows],
                                 "seq_len": [len(r[0]) for r in rows]}}).save_to_disk(sys.argv[4])
 elif case == "arrays+table":
-    from eagle3pipe import train_data
+    from eagle3pipe.train import train_data
     train_data.build_bridge(rows, sys.argv[4])
 table = time.perf_counter() - t
 print(json.dumps({{"read_s": round(read, 2), "table_s": round(table, 2),

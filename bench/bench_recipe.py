@@ -86,9 +86,9 @@ def held_out(w, per_kind, prep="prep_orig"):
     path = f"{w}/heldout.jsonl"
     if os.path.isfile(path):
         return
-    from eagle3pipe.conversations import iter_records
-    from eagle3pipe.messages import normalize
-    from eagle3pipe.masks import load_tokenizer
+    from eagle3pipe.chat.conversations import iter_records
+    from eagle3pipe.chat.messages import normalize
+    from eagle3pipe.chat.masks import load_tokenizer
     tok = load_tokenizer(MODEL, False)
     skip = json.load(open(f"{w}/{prep}/manifest.json"))["counts"]["records_read"]
     kinds, firsts = {"chat": [], "code": []}, set()  # firsts: every user turn seen, training records' included
@@ -151,7 +151,7 @@ def train(w, arms, seeds, parallel, workers, custom, extra_flags=()):
 def estimates(w):
     """{run: {"epochs": {epoch: expected acceptance}, "best": ..., "best_epoch": ...}} from each checkpoint's
     val_metrics.json (the trainer's per-position accuracies on the validation rows)."""
-    from eagle3pipe.checkpoints import expected_acceptance
+    from eagle3pipe.train.checkpoints import expected_acceptance
     out = {}
     for run in sorted(os.listdir(f"{w}/ck")):
         eps = {}

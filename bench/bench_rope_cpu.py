@@ -17,7 +17,7 @@ MODEL = f"{REPO}/data/models/smollm2-135m-instruct"
 
 CHILD = r"""
 import json, sys, time
-from eagle3pipe.engine import make_llm
+from eagle3pipe.engines.engine import make_llm
 from vllm import SamplingParams
 n, tokens, native = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "native"
 llm = make_llm(sys.argv[4], tp=1, max_model_len=tokens + 8, on_gpu=False, trust_remote_code=False, dtype="bfloat16",

@@ -1,6 +1,6 @@
 """The scaling study (docs/RECIPE.md, "Data is the lever"): the embedded verifier's draft trained on 300 to all of the
 package's ShareGPT conversations, every epoch measured on held-out prompts by the acceptance measure without vLLM
-(eagle3pipe/acceptance.py) at k=3 and k=5, the best draft of each size confirmed through vLLM by stage 05.
+(eagle3pipe/measures/acceptance.py) at k=3 and k=5, the best draft of each size confirmed through vLLM by stage 05.
 
     python -m bench.bench_scaling_quality study   --work W --parallel 6  # all of the below, in order (GPU + vLLM):
                                                 # the data curve (STUDY), the levers at all the data (LEVERS)
@@ -49,7 +49,7 @@ K, MAX_NEW = 5, 128  # one forward with 5 TTT steps gives k=3 (its first 3 steps
 
 
 def prepare(w, holdout, per_kind, vocabs=()):
-    from eagle3pipe.conversations import iter_records
+    from eagle3pipe.chat.conversations import iter_records
     os.makedirs(f"{w}/logs", exist_ok=True)
     if not os.path.isfile(f"{w}/prep/manifest.json"):
         total = sum(1 for _ in iter_records("sharegpt"))
@@ -147,8 +147,8 @@ def train_argv(w, states, plan, extra):
 def check(w, states, runs, extra):
     """Every run's flags through stage 04's own resolution (the config, the flags, their contradictions), in
     seconds and on any machine: a run the GPU machine would refuse after stage 02 is refused here first."""
-    from eagle3pipe.cli import load_script
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.config.cli import load_script
+    from eagle3pipe.base.errors import UsageError
     stage = load_script("04_train.py")
     bad = 0
     for plan in plan_runs(w, runs):
@@ -184,8 +184,8 @@ def train(w, states, runs, parallel, extra):
 
 
 def prompts(w):
-    from eagle3pipe.messages import normalize
-    from eagle3pipe.masks import load_tokenizer, prompt_ids
+    from eagle3pipe.chat.messages import normalize
+    from eagle3pipe.chat.masks import load_tokenizer, prompt_ids
     tok = load_tokenizer(MODEL, False)
     rows = [json.loads(line) for line in open(f"{w}/heldout.jsonl")]
     return [prompt_ids(tok, normalize(f"heldout:{i}", r)[1]) for i, r in enumerate(rows)], [r["kind"] for r in rows]
@@ -199,7 +199,7 @@ def references(w, device):
     path = f"{w}/refs.pt"
     if os.path.isfile(path):
         return torch.load(path)
-    from eagle3pipe import acceptance
+    from eagle3pipe.measures import acceptance
     ids, kinds = prompts(w)
     # the draft's inputs, from any saved checkpoint (a run stopped before its manifest has them too)
     layer_ids = json.load(open(glob.glob(f"{w}/ck/*/[0-9]*/config.json")[0]))["eagle_aux_hidden_state_layer_ids"]
@@ -241,8 +241,8 @@ def measure(w, device):
     """Every epoch checkpoint of every run: acceptance length and per position at k=3 and k=5, per prompt kept for
     the noise band. Appended to W/measure.json as it goes."""
     import torch
-    from eagle3pipe import acceptance
-    from eagle3pipe.checkpoints import expected_acceptance
+    from eagle3pipe.measures import acceptance
+    from eagle3pipe.train.checkpoints import expected_acceptance
     if not glob.glob(f"{w}/ck/*/[0-9]*/model.safetensors"):
         return {}  # no epoch saved yet: the references need a checkpoint's layer ids
     refs = references(w, device)

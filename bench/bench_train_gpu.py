@@ -132,7 +132,7 @@ def fp8_unpack_agrees():
     """fp8_transport.unpack on the GPU (native conversion) against the CPU's table, every byte pattern: the same bits,
     NaN payloads aside (the two NaN codes come out NaN on both; stage 02 writes no NaN code)."""
     import torch
-    from eagle3pipe import fp8_transport
+    from eagle3pipe.formats import fp8_transport
     torch.manual_seed(0)
     n, h = 3, 256
     packed = torch.randint(0, 256, (1, 64, n * (h + fp8_transport.SCALE_BYTES)), dtype=torch.uint8)

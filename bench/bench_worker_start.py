@@ -30,7 +30,7 @@ def build(folder, storage):
     """ROWS stage 02 files of T tokens and the Arrow table speculators reads."""
     import datasets
     import torch
-    from eagle3pipe import hidden_states as hs
+    from eagle3pipe.formats import hidden_states as hs
     torch.manual_seed(0)
     rows = []
     for i in range(ROWS):
@@ -49,9 +49,12 @@ def build(folder, storage):
 def child(a):
     """One measurement: the loader built as stage 04 builds it, seconds from iter() to the first batch."""
     t_start = time.perf_counter()
-    from eagle3pipe import adapters, fp8_transport, lifeline, warm_start
+    from eagle3pipe import adapters
+    from eagle3pipe.formats import fp8_transport
+    from eagle3pipe.base import lifeline
+    from eagle3pipe.train import warm_start
     lifeline.start()  # as stage 04 does: forked workers are the server's children, and end with this process
-    from eagle3pipe.train_data import CheckedFiles
+    from eagle3pipe.train.train_data import CheckedFiles
     import contextlib
     import torch
     ctx = contextlib.ExitStack()

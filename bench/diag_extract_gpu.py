@@ -34,7 +34,7 @@ from bench.common import batch_tensors, deepseek_v3, result, run
 def make_step(mode, model_path, rows, layer_ids, work, hidden, n_states):
     """-> (step(batch), finish(), cleanup()) for one mode."""
     import torch
-    from eagle3pipe import extraction
+    from eagle3pipe.extract import extraction
     if mode.startswith("bare"):  # bare:pinned: the inputs copied from pinned memory (no sync before the copy)
         from transformers import AutoModel
         model = AutoModel.from_pretrained(model_path, dtype=torch.bfloat16, device_map={"": "cuda"}).eval()
@@ -46,7 +46,7 @@ def make_step(mode, model_path, rows, layer_ids, work, hidden, n_states):
             with torch.inference_mode():
                 model(input_ids=ids.cuda(non_blocking=True), attention_mask=mask.cuda(non_blocking=True), use_cache=False)
         return step, torch.cuda.synchronize, lambda: None, model
-    from eagle3pipe.backends import HFBackend
+    from eagle3pipe.engines.backends import HFBackend
     backend = HFBackend(model_path, layer_ids)
     if mode == "forward:nocopy":  # the states stay on the GPU: no device-to-host copy at all
         backend._hold = lambda out: (out, None)
@@ -84,7 +84,7 @@ def make_step(mode, model_path, rows, layer_ids, work, hidden, n_states):
         torch.cuda.Event = lambda blocking=False, **kw: real_event(**kw)
     out = f"{work}/hs_diag" if dest == "disk" else "/dev/shm/hs_diag"
     os.makedirs(out, exist_ok=True)
-    from eagle3pipe import hidden_states
+    from eagle3pipe.formats import hidden_states
     real_save, real_zlib = extraction.save, hidden_states.zlib
     if "noop" in variant:
         extraction.save = lambda path, tensors: None
@@ -122,8 +122,8 @@ def old_save(path, tensors):
     import struct
     import zlib
     import torch
-    from eagle3pipe.files import atomic_path
-    from eagle3pipe.hidden_states import _ST_DTYPES
+    from eagle3pipe.storage.files import atomic_path
+    from eagle3pipe.formats.hidden_states import _ST_DTYPES
     header, views, offset, crc = {}, [], 0, 0
     for name in sorted(tensors):
         t = tensors[name].contiguous()
@@ -146,7 +146,7 @@ def check_deferred(model_path, rows, batches, layer_ids):
     """The host tensors of 6 batches with each copy queued late (the default: at the next forward / flush) against
     queued at once: identical bytes, or the largest difference."""
     import torch
-    from eagle3pipe.backends import HFBackend
+    from eagle3pipe.engines.backends import HFBackend
     backend = HFBackend(model_path, layer_ids)
 
     def collect(at_once):
@@ -277,7 +277,7 @@ def main():
         for name, enable in (("cudnn", b.enable_cudnn_sdp), ("efficient", b.enable_mem_efficient_sdp),
                              ("flash", b.enable_flash_sdp), ("math", b.enable_math_sdp)):
             enable(name != "cudnn" if a.sdpa == "nocudnn" else name == a.sdpa)
-    from eagle3pipe.extraction import make_batches
+    from eagle3pipe.extract.extraction import make_batches
     os.makedirs(a.work, exist_ok=True)
     model, prep = f"{a.work}/v{a.layers}", f"{a.work}/prep"
     deepseek_v3(a.assets, model, a.layers, 16, 8)

@@ -1,5 +1,5 @@
 """Where a data-loader worker's time goes, per sample, at Kimi-K2.5's width (issue 35: stage 04 waited on data 30 %
-of the time on one H200). Each step of CheckedFiles.get_cached (eagle3pipe/train_data.py) timed apart on real stage
+of the time on one H200). Each step of CheckedFiles.get_cached (eagle3pipe/train/train_data.py) timed apart on real stage
 02 files written by hidden_states.save: the read (page cache), the CRC-32, safetensors' parse, the finite check,
 fp8's dequantization; then the whole get_cached as the trainer calls it. One process, one thread, like one worker.
 
@@ -34,8 +34,8 @@ def main():
     import numpy as np
     import torch
     from safetensors.torch import load as load_bytes
-    from eagle3pipe import hidden_states as hs
-    from eagle3pipe.train_data import CheckedFiles
+    from eagle3pipe.formats import hidden_states as hs
+    from eagle3pipe.train.train_data import CheckedFiles
     torch.set_num_threads(1)  # one loader worker
     print(f"torch {torch.__version__}, {a.tokens} tokens x {a.states} states x {a.hidden} per sample, one thread, "
           f"best of {a.reps}")
@@ -70,7 +70,7 @@ def main():
                     lambda: dequantize_fp8_tensor(got["hidden_states"], got[hs.SCALES], dtype=torch.bfloat16), a.reps)
                 steps["then: fp8 -> bf16 (table)"], _ = timed(
                     lambda: hs.fp8_to(got["hidden_states"], got[hs.SCALES], torch.bfloat16), a.reps)
-                from eagle3pipe import fp8_transport  # stage 04 now: bytes on, dequantized on the GPU
+                from eagle3pipe.formats import fp8_transport  # stage 04 now: bytes on, dequantized on the GPU
                 steps["now: fp8 bytes + scales packed"], _ = timed(
                     lambda: fp8_transport.pack(got["hidden_states"], got[hs.SCALES]), a.reps)
             steps["load_sample (all checks)"], _ = timed(lambda: hs.load_sample(path, a.states, a.hidden), a.reps)

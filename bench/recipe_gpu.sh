@@ -42,7 +42,7 @@ EOF
     python3 -c "import speculators.train.cli, datasets, pyarrow, transformers, torch; print('imports ok', transformers.__version__, torch.__version__)"
     cat /tmp/gguf.part00 .g2/gguf.part01 > "$GGUF"
     [ "$(sha256sum "$GGUF" | cut -c1-64)" = "$(cat .g2/gguf.sha256)" ] || { echo "GGUF damaged in transit"; exit 1; }
-    python3 -m eagle3pipe.default_model --output-dir data/models/smollm2-135m-instruct
+    python3 -m eagle3pipe.prepare.default_model --output-dir data/models/smollm2-135m-instruct
     got=$(sha256sum data/models/smollm2-135m-instruct/model.safetensors | cut -c1-64)
     echo "model.safetensors sha256 $got; the CPU machine's $(cat .g2/model.sha256)"
     ;;

@@ -91,7 +91,7 @@ PY
     [ -f "$GGUF" ] || cat /tmp/gx/gguf.part* .gx/p1/gguf.part* > "$GGUF"  # carried folders do not outlive their call
     [ "$(sha256sum "$GGUF" | cut -c1-64)" = "$(cat /tmp/gx/gguf.sha256)" ] || { echo "GGUF damaged in transit"; exit 1; }
     log=$(mktemp /tmp/convert.XXXXXX)  # a new file: never written through a link
-    python3 -m eagle3pipe.default_model --output-dir data/models/smollm2-135m-instruct > "$log" 2>&1 \
+    python3 -m eagle3pipe.prepare.default_model --output-dir data/models/smollm2-135m-instruct > "$log" 2>&1 \
       || { tail -3 "$log"; echo "conversion failed (.whl/ must hold gguf's wheel)"; exit 1; }
     tail -1 "$log"
     # the CPU machine's tokenizer files (transformers versions write them apart)

@@ -24,7 +24,7 @@ CKPT=$WORK/checkpoints; LOG=$WORK/logs; TIMES=$WORK/times.txt
 [ ! -e "$TIMES" ] || { echo "$WORK holds an earlier run; use a fresh work dir" >&2; exit 2; }
 mkdir -p "$WORK" "$STAGING" "$LOG"
 
-# vLLM on CPU (as eagle3pipe/engine.py sets it): every core for the worker, none reserved; the CPU connector is imported from
+# vLLM on CPU (as eagle3pipe/engines/engine.py sets it): every core for the worker, none reserved; the CPU connector is imported from
 # this repo by the spawned engine processes. No network: local model, loopback server.
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
@@ -45,7 +45,7 @@ timed() {  # timed NAME CMD...: run CMD; append "NAME <tab> seconds" to times.tx
 N=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1] + "/config.json"))["num_hidden_layers"])' "$MODEL")
 AUX="2 $((N / 2)) $((N - 3))"
 SPEC="{\"method\": \"extract_hidden_states\", \"num_speculative_tokens\": 1, \"draft_model_config\": {\"hf_config\": {\"eagle_aux_hidden_state_layer_ids\": [${AUX// /, }, $N]}}}"
-KV="{\"kv_connector\": \"CPUHiddenStatesConnector\", \"kv_connector_module_path\": \"eagle3pipe.cpu_connector\", \"kv_role\": \"kv_producer\", \"kv_connector_extra_config\": {\"shared_storage_path\": \"$STAGING\"}}"
+KV="{\"kv_connector\": \"CPUHiddenStatesConnector\", \"kv_connector_module_path\": \"eagle3pipe.engines.cpu_connector\", \"kv_role\": \"kv_producer\", \"kv_connector_extra_config\": {\"shared_storage_path\": \"$STAGING\"}}"
 
 SERVER_PID=
 stop_server() {  # TERM the server's process group (API server + engine core), then KILL what is left

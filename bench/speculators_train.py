@@ -6,7 +6,7 @@ Takes exactly the flags of `speculators train` and runs the same code: speculato
 speculators.train.cli.main(cfg) (its draft construction, d2t/t2d from <data-path>/token_freq.pt, its Arrow +
 hs_{i}.safetensors data loading, packing, TTT loss and checkpoints). Added on top, only when torch has no
 accelerator: the CPU adaptations of eagle3pipe/adapters.py (cpu_without_accelerator) and the Trainer subclass
-from eagle3pipe.training.make_trainer_class. The subclass also keeps a `last` symlink to the newest
+from eagle3pipe.train.training.make_trainer_class. The subclass also keeps a `last` symlink to the newest
 checkpoint, and its DenseLog appends every metric record to <save-path>/logs/metrics.jsonl.
 """
 import logging
@@ -21,8 +21,8 @@ def main(argv):
     from speculators.train.config import TrainConfig
 
     from eagle3pipe import adapters
-    from eagle3pipe.train_log import DenseLog
-    from eagle3pipe.training import make_trainer_class
+    from eagle3pipe.train.train_log import DenseLog
+    from eagle3pipe.train.training import make_trainer_class
 
     cfg = TrainConfig.resolve(argv)  # speculators' own flag parsing (exits 2 on a bad flag)
     flat = cfg.flatten()

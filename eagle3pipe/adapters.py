@@ -57,8 +57,8 @@ import logging
 import os
 import re
 
-from . import devices
-from .errors import RunError, UsageError
+from .base import devices
+from .base.errors import RunError, UsageError
 
 log = logging.getLogger("eagle3pipe")
 
@@ -383,8 +383,8 @@ def recorded_artifacts(config_class):
     where nothing or our own file stands), so a kill at any instant leaves only files the record proves ours."""
     import shutil
     import tempfile
-    from . import outdir
-    from .files import atomic_path
+    from .storage import outdir
+    from .storage.files import atomic_path
     from speculators.train.config.artifacts import dump_yaml
     from speculators.train.utils import save_train_command
 

@@ -16,7 +16,7 @@
 # on it is refused naming the running PID. The log and PID file are never written through a link, and the PID file
 # (<output-dir>/extract[.shard-k].pid) is written only once the run holds its folder. It prints the PID(s) and the
 # exact `tail -f` command; `kill -TERM -- -PID` stops a run with its vLLM engine processes (its process group).
-# The work is done by eagle3pipe/launch.py.
+# The work is done by eagle3pipe/extract/launch.py.
 set -euo pipefail
 # Relative paths mean what they mean where you are: this script does not change folder (the project's package is
 # found through PYTHONPATH, its interpreter by ROOT).
@@ -32,5 +32,5 @@ fi
 # not `python -m`: that puts the current folder first on the module path, and a json.py (or another checkout's
 # eagle3pipe/) in the folder you launch from would run in its place
 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -c \
-  'import sys; sys.path[:] = [p for p in sys.path if p]; from eagle3pipe import cli, launch; cli.run(launch.main)' \
+  'import sys; sys.path[:] = [p for p in sys.path if p]; from eagle3pipe.config import cli; from eagle3pipe.extract import launch; cli.run(launch.main)' \
   "$@"

@@ -12,7 +12,7 @@
 # Before the run it measures this machine (one forward of the verifier, ~10 s) and prints what each stage will
 # take. On a slow CPU it trains on fewer conversations so the run fits BUDGET_MIN minutes (default 24, for stages
 # 02-05), and says so; NUM_SAMPLES fixes the number. Every stage computes in the dtype that is fast here (bf16
-# where the CPU has it natively, float32 elsewhere: eagle3pipe/compute.py). vLLM's own output goes to each stage
+# where the CPU has it natively, float32 elsewhere: eagle3pipe/base/compute.py). vLLM's own output goes to each stage
 # folder's engine.log.
 # Outputs under data/ (prepared, hidden_states, vocab_map_8192 or with a GPU vocab_map_32768, checkpoints, eval);
 # a rerun resumes or replaces each stage's own folder. NUM_SAMPLES, EPOCHS, NUM_PROMPTS: whole numbers >= 1;
@@ -62,7 +62,7 @@ fi
 [ $DRY = 1 ] && { echo "quickstart: --dry-run: nothing run"; exit 0; }
 run bash scripts/setup.sh
 if [ $GPU = 1 ]; then
-  total=$($PY -c 'from eagle3pipe.conversations import iter_records as r; print(sum(1 for _ in r("sharegpt")))')
+  total=$($PY -c 'from eagle3pipe.chat.conversations import iter_records as r; print(sum(1 for _ in r("sharegpt")))')
   N=${NUM_SAMPLES:-$((total - 1000))}
 else
   N=${NUM_SAMPLES:-300}
@@ -81,7 +81,7 @@ budget=(); [ -z "${NUM_SAMPLES:-}" ] && [ -z "$prev" ] && [ $GPU = 0 ] && budget
 fit=""
 if [ $GPU = 0 ]; then  # the CPU path measures this machine and fits the budget; a GPU takes everything
   rc=0
-  fit=$($PY -m eagle3pipe.estimate --model-path $MODEL --prepared-data data/prepared --samples "$N" \
+  fit=$($PY -m eagle3pipe.evaluate.estimate --model-path $MODEL --prepared-data data/prepared --samples "$N" \
         --epochs "$EPOCHS_RUN" --num-prompts "$PROMPTS" --max-new-tokens 64 --batch-sizes 1,4 ${budget[@]+"${budget[@]}"}) \
     || rc=$?
   [ "$rc" -eq 2 ] && exit 2  # a refusal (its line is above): never a run of another size than asked
@@ -99,7 +99,7 @@ run $PY 04_train.py --config $CFG --epochs "$EPOCHS_RUN" --vocab-mapping $VOCAB 
 stamp "04 train"
 run $PY 05_evaluate.py --config $CFG --draft data/checkpoints/last --num-prompts "$PROMPTS" \
     --max-new-tokens 64 --batch-sizes 1,4;                       stamp "05 evaluate"
-serve=$($PY -c 'import sys; from eagle3pipe.engine import serve_command as s; print(s(sys.argv[1], sys.argv[2], 3))' \
+serve=$($PY -c 'import sys; from eagle3pipe.engines.engine import serve_command as s; print(s(sys.argv[1], sys.argv[2], 3))' \
         "$MODEL" data/checkpoints/last)
 echo "quickstart: the draft is data/checkpoints/last; serve it with vLLM:"
 echo "  $serve"

@@ -71,4 +71,4 @@ else
 fi
 
 "$PY" -c "import vllm, speculators, transformers" >/dev/null 2>&1 || { echo "setup: the installed stack does not import; remove .venv and rerun" >&2; exit 1; }
-run "$PY" -m eagle3pipe.default_model --output-dir "$ROOT/data/models/smollm2-135m-instruct"
+run "$PY" -m eagle3pipe.prepare.default_model --output-dir "$ROOT/data/models/smollm2-135m-instruct"

@@ -1,4 +1,4 @@
-"""Bad verifier folders for the weights check (eagle3pipe/verifier_weights.py), generated from a real saved verifier
+"""Bad verifier folders for the weights check (eagle3pipe/verifier/verifier_weights.py), generated from a real saved verifier
 with one thing wrong each: a tensor dropped, one added, one transposed, reshaped or retyped, a shard gone, the index
 naming the wrong file or a file that is not there, a header whose offsets overlap, only the embeddings and the final
 norm left, and what two loaders would read differently (a tensor in two shards, a stray file beside the whole one,

@@ -28,7 +28,7 @@ sys.path.insert(0, REPO)
 
 def load_script(name):
     """Import a numbered script as a module (its parse_args) without running main()."""
-    from eagle3pipe.cli import load_script as load
+    from eagle3pipe.config.cli import load_script as load
     return load(name)
 
 
@@ -76,7 +76,7 @@ def model_with_template(model_path, folder, template):
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path):
-    from eagle3pipe.masks import load_tokenizer
+    from eagle3pipe.chat.masks import load_tokenizer
     return load_tokenizer(model_path)
 
 
@@ -104,8 +104,8 @@ def short_prompts(tmp_path_factory):
     past record 100) of 20-400 characters. The default prompts after a small stage 01 run to 3,500 tokens, and on a
     2-core CPU every engine and the measure spent most of their time in those prefills, which no stage 05 test is
     about (tests/cli/test_evaluate.py checks the prompts' lengths against the verifier's positions)."""
-    from eagle3pipe.conversations import iter_records
-    from eagle3pipe.messages import normalize
+    from eagle3pipe.chat.conversations import iter_records
+    from eagle3pipe.chat.messages import normalize
     out, rows = tmp_path_factory.mktemp("prompts") / "held_out.jsonl", []
     for i, (where, rec) in enumerate(iter_records("sharegpt")):
         if i < 2000:
@@ -348,14 +348,14 @@ def reached(point, err, mark):
     """Whether the stage has got to `point`: a process of that kind exists among its own, or its log says so."""
     cmds = [cmd for _, cmd in marked_processes(mark)]
     if point == "lifeline":
-        return any("eagle3pipe/lifeline.py" in c for c in cmds)
+        return any("eagle3pipe/base/lifeline.py" in c for c in cmds)
     spawned = [c for c in cmds if "EngineCore" in c or "multiprocessing" in c]  # vLLM's (no setproctitle: no title)
     if point == "engine-core":  # vLLM's EngineCore is up: the model loads in it
         return len(spawned) >= 1
     if point == "worker":  # and its worker
         return len(spawned) >= 2
     if point == "hf-loading":
-        return any("eagle3pipe.hf_server" in c for c in cmds)
+        return any("eagle3pipe.engines.hf_server" in c for c in cmds)
     if point == "worker-server":  # stage 04 has trained a step on batches from workers forked by its fork server
         forked = [c for c in cmds if "multiprocessing.forkserver import main" in c]  # the server and its workers
         return len(forked) >= 2 and "step 1/" in err.read_text(errors="replace")

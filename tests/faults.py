@@ -8,7 +8,7 @@ import sys
 import time
 
 from conftest import REPO, online_args, rows_of, run_script, train_args
-from eagle3pipe.hidden_states import check_file, hs_path
+from eagle3pipe.formats.hidden_states import check_file, hs_path
 
 
 def cmd(model_path, prep, out, *extra):
@@ -30,7 +30,7 @@ def assert_complete(prep, out, n_states=4, hidden=576):
 
 
 def stage02_killed_at(point, stages, model_path, tmp_path):
-    """SIGKILL at a named point of stage 02 (eagle3pipe/faults.py), then the same command completes, keeping what
+    """SIGKILL at a named point of stage 02 (eagle3pipe/base/faults.py), then the same command completes, keeping what
     the killed run finished."""
     out = tmp_path / "hs"
     n_hit = "2" if point in ("batch", "write", "between") else "1"  # mid-run, not on the first batch

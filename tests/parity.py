@@ -42,8 +42,8 @@ def install(worker):
 
 def served(model_path, draft, prompt, dtype, log_path):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from eagle3pipe.engine import make_llm
-    from eagle3pipe.mla_draft import served_path
+    from eagle3pipe.engines.engine import make_llm
+    from eagle3pipe.drafts.mla_draft import served_path
     llm = make_llm(model_path, tp=1, max_model_len=1024, on_gpu=False, trust_remote_code=False, dtype=dtype,
                    log_path=log_path, enable_prefix_caching=False,
                    speculative_config={"method": "eagle3", "model": served_path(draft), "num_speculative_tokens": 3})
@@ -57,7 +57,7 @@ def trained(draft, seen, dtype):
     """The draft's first TTT step in speculators' training model, on vLLM's inputs -> logits [n, draft vocab]."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from eagle3pipe import mla_draft
+    from eagle3pipe.drafts import mla_draft
     scope = mla_draft.layer() if mla_draft.is_mla_checkpoint(draft) else contextlib.nullcontext()
     with scope:
         cfg = Eagle3SpeculatorConfig.from_pretrained(draft)

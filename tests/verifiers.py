@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 
-from eagle3pipe.verifier import TOKENIZER_FILES
+from eagle3pipe.verifier.verifier import TOKENIZER_FILES
 
 
 def _tokenizer(src, out):
@@ -176,7 +176,7 @@ def gemma3(out, tokenizer_from):
 def stage04_plan(model, d, out):
     """Stage 04's plan (every check, the targets' included) on stages 01-03's folders `d`, in this process."""
     from conftest import load_script
-    from eagle3pipe import train_plan
+    from eagle3pipe.train import train_plan
     args = load_script("04_train.py").parse_args(
         ["--model-path", str(model), "--prepared-data", str(d["prepared"]), "--hidden-states", str(d["hs"]),
          "--vocab-mapping", str(d["vocab"]), "--output-dir", str(out), "--total-seq-len", "1024",

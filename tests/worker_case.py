@@ -25,7 +25,9 @@ class Rows(torch.utils.data.Dataset):
 
 if __name__ == "__main__":  # a worker imports this file to find Rows
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from eagle3pipe import adapters, lifeline, warm_start
+    from eagle3pipe import adapters
+    from eagle3pipe.base import lifeline
+    from eagle3pipe.train import warm_start
     lifeline.start()
     server = warm_start.WorkerServer(modules=("torch",), deadline=120).start()
     import speculators.train.dataloader as sdl

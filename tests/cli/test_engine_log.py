@@ -1,4 +1,4 @@
-"""The engine's output goes to its log file (eagle3pipe/engine.py): what a process started inside prints lands there
+"""The engine's output goes to its log file (eagle3pipe/engines/engine.py): what a process started inside prints lands there
 for good, our own stdout comes back after, and a link planted at the log's name is refused in one line, never
 written through (no model: a plain child process stands for vLLM's workers)."""
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 
-from eagle3pipe import engine
+from eagle3pipe.engines import engine
 
 
 def test_output_of_processes_started_inside_goes_to_the_log(tmp_path, capfd):

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from conftest import assert_refused, run_script, snapshot
-from eagle3pipe.devices import visible_gpus
+from eagle3pipe.base.devices import visible_gpus
 
 
 def test_refusals(model_path, stages, trained, tmp_path):
@@ -59,7 +59,7 @@ def test_refusals(model_path, stages, trained, tmp_path):
 
 def test_prompts_are_held_out(stages):
     import argparse
-    from eagle3pipe import conversations, heldout, messages
+    from eagle3pipe.chat import conversations, heldout, messages
     man = json.load(open(stages["prepared"] / "manifest.json"))
     skip = man["counts"]["records_read"]
     args = argparse.Namespace(prompts="sharegpt", num_prompts=5)
@@ -79,7 +79,7 @@ def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, 
     """Stage 01's records are skipped when --prompts names the same source, relative or absolute, from wherever each
     stage ran; the default stage 01 folder absent is a warning that says evaluation starts at the first record, a
     folder given that does not exist is refused."""
-    from eagle3pipe import heldout
+    from eagle3pipe.chat import heldout
     man = json.load(open(stages["prepared"] / "manifest.json"))
     assert heldout.held_out_skip("sharegpt", str(stages["prepared"])) == (man["counts"]["records_read"], None)
     monkeypatch.chdir(tmp_path)  # no data/prepared here: the default folder absent is a warning
@@ -117,13 +117,13 @@ def test_the_training_records_are_skipped_however_the_source_is_spelled(stages, 
     assert heldout.held_out_skip(str(folder / "sub" / "b.jsonl"), str(prep)) == (3, None)
     assert heldout.held_out_skip(str(folder / "sub"), str(prep)) == (3, None)
     assert heldout.held_out_skip(str(folder), str(prep)) == (7, None)
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.base.errors import UsageError
     with pytest.raises(UsageError, match="holds the dataset stage 01 trained on"):
         heldout.held_out_skip(str(tmp_path), str(prep))
 
 
 def test_a_training_log_cut_short_is_named_not_fatal(trained, tmp_path):
-    from eagle3pipe import evaluation
+    from eagle3pipe.evaluate import evaluation
     out, _ = trained
     copy = tmp_path / "ck"
     shutil.copytree(out, copy, symlinks=True)
@@ -138,7 +138,8 @@ def test_a_training_log_cut_short_is_named_not_fatal(trained, tmp_path):
 def test_several_drafts_are_named_by_their_run(model_path, trained, tmp_path):
     """--draft A B: every checkpoint of both, each named '<run folder>/<epoch>', so the ranking tells them apart."""
     import os
-    from eagle3pipe import evaluation, verifier
+    from eagle3pipe.evaluate import evaluation
+    from eagle3pipe.verifier import verifier
     out, _ = trained
     other = tmp_path / "other-run"
     shutil.copytree(out, other, symlinks=True)
@@ -167,7 +168,7 @@ def test_dry_run_checks_every_checkpoint_and_the_prompt_lengths_then_stops(model
     epochs = sorted(n for n in os.listdir(out) if n.isdigit())
     assert f"dry run: {len(epochs)} checkpoint(s) checked ({', '.join(epochs)})" in p.stdout, p.stdout
     assert "vllm" not in p.heavy and "speculators" not in p.heavy, p.heavy
-    from eagle3pipe import compute  # without --dtype, the engines would compute in auto's dtype for this machine
+    from eagle3pipe.base import compute  # without --dtype, the engines would compute in auto's dtype for this machine
     assert f"compute dtype: {compute.resolve('auto', on_gpu=False).dtype}" in p.stdout, p.stdout
     # 8180 new tokens pass the check without prompts (8180 + 3 + 1 <= 8192); the prompts' own tokens do not fit
     p, _ = run_script(*common, "--draft", str(out / "last"), "--max-new-tokens", "8180")
@@ -200,7 +201,7 @@ def test_dry_run_checks_every_checkpoint_and_the_prompt_lengths_then_stops(model
 
 def test_a_prompt_is_the_first_user_turn_after_any_system_turn(tmp_path):
     import argparse
-    from eagle3pipe import heldout
+    from eagle3pipe.chat import heldout
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."},
                                              {"role": "assistant", "content": "Hello, how can I help?"},
@@ -231,7 +232,7 @@ def test_a_copy_of_the_training_records_under_another_path_is_not_taken_as_held_
     """The held-out rule is by source and position: the first records of the embedded ShareGPT saved as a file of
     their own were all evaluated as held-out prompts. Records carrying the ids stage 01 trained on are skipped, and
     said so."""
-    from eagle3pipe import conversations
+    from eagle3pipe.chat import conversations
     out, _ = trained
     trained_n = json.load(open(stages["prepared"] / "manifest.json"))["counts"]["records_read"]
     source = (rec for _, rec in conversations.iter_records("sharegpt"))

@@ -70,7 +70,7 @@ def test_huge_batch_is_refused_or_explained(model_path, tmp_path):
 
 
 def test_dry_run_prints_the_plan_and_loads_no_model(prep, model_path, tmp_path):
-    from eagle3pipe import compute
+    from eagle3pipe.base import compute
     cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # a user's cache with no verifier definition kept yet
     p, secs = extract(model_path, prep, tmp_path / "hs", "--dry-run", env=cache)
     assert p.returncode == 0, p.stderr

@@ -1,4 +1,4 @@
-"""scripts/extract.sh (eagle3pipe/launch.py) under the stages' rules, through the operator's command: `--help` and
+"""scripts/extract.sh (eagle3pipe/extract/launch.py) under the stages' rules, through the operator's command: `--help` and
 `--dry-run` start nothing and write nothing; a link or hard link planted at its log or PID file, a bad environment
 number, an unreadable input: one line, exit 2, nothing heavy imported, nothing written, the file outside unchanged;
 a stage that stops at once is named by its log's error line and gets no PID file; of two launches at the same moment

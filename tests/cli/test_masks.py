@@ -8,7 +8,7 @@ import os
 import pytest
 
 from conftest import FIXTURES
-from eagle3pipe import masks
+from eagle3pipe.chat import masks
 
 
 CONV = [
@@ -214,7 +214,7 @@ def test_a_tokenizer_that_splits_at_random_is_refused(model_path, tmp_path):
     splits it (found by a held-out probe: accepted silently)."""
     import json
     import shutil
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.base.errors import UsageError
     d = tmp_path / "tok"
     d.mkdir()
     for name in os.listdir(model_path):
@@ -398,8 +398,8 @@ def test_deepseek_v3_calls_render_in_the_form_its_template_takes(tokenizer, capl
     import argparse
     import collections
     import logging
-    from eagle3pipe import preparation
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.prepare import preparation
+    from eagle3pipe.base.errors import UsageError
     args = argparse.Namespace(max_seq_len=4096, model_path="m", dataset="d", num_workers=None, regenerate=False)
     text_and_call = [conv[0], dict(conv[1], content="Let me look."), *conv[2:]]
     skipped, log = collections.Counter(), logging.getLogger("stage01-test")
@@ -418,7 +418,7 @@ def test_an_alternating_template_loses_only_the_opening_assistant_turn(tokenizer
     """Gemma's template refuses a conversation an assistant turn opens (roles must alternate from the user). That turn
     answers nothing: stage 01 leaves it out, counted, and trains the rest of the conversation; a conversation with
     nothing after its opening turns stays refused."""
-    from eagle3pipe.tokenize_workers import outcome
+    from eagle3pipe.chat.tokenize_workers import outcome
     tok = with_template(tokenizer, "gemma3.jinja", ["<start_of_turn>", "<end_of_turn>"])
     opening = {"role": "assistant", "content": "Hello! How can I help you today?"}
     with pytest.raises(masks.TemplateError, match="alternate"):
@@ -463,7 +463,7 @@ def test_a_template_that_marks_no_answer_or_only_answers_is_refused_naming_it(mo
 def test_a_template_that_writes_no_unicode_is_a_template_error_not_a_traceback(tokenizer):
     """A template writing a lone surrogate ("\\ud800"): a string no UTF-8 encodes, which the tokenizer took as a
     TypeError (a traceback, found by a held-out probe). It is the template's error, named so; a prompt's is one line."""
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.base.errors import UsageError
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = ("{% for m in messages %}{{ '\\ud800' }}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

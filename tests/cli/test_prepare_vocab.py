@@ -178,7 +178,7 @@ def test_the_default_model_conversion_never_replaces_a_folder_it_did_not_make(tm
     mine.mkdir()
     (mine / "notes.txt").write_text("a person's notes")
     before = snapshot(tmp_path)
-    p, secs = run_script("-m", "eagle3pipe.default_model", "--output-dir", str(mine))
+    p, secs = run_script("-m", "eagle3pipe.prepare.default_model", "--output-dir", str(mine))
     assert_refused(p, secs, str(mine), "not a conversion of this script")
     assert snapshot(tmp_path) == before
 

@@ -1,6 +1,6 @@
 """The quickstart's numbers: BUDGET_MIN, NUM_SAMPLES, EPOCHS, NUM_PROMPTS that are not what they must be (nan, inf,
 negative, zero, a word, a fraction for a count) are refused in one line before anything runs, by
-scripts/quickstart.sh and by the estimate it calls (`python -m eagle3pipe.estimate`), never a run of another size."""
+scripts/quickstart.sh and by the estimate it calls (`python -m eagle3pipe.evaluate.estimate`), never a run of another size."""
 import os
 import shutil
 import subprocess
@@ -31,7 +31,7 @@ def test_quickstart_refuses_a_bad_number_before_anything_runs(name, value, tmp_p
 def test_the_estimate_refuses_a_bad_number_in_one_line(flag, value, tmp_path):
     argv = {"--model-path": "data/models/smollm2-135m-instruct", "--prepared-data": str(tmp_path), "--samples": "300",
             flag: value}
-    p, secs = run_script("-m", "eagle3pipe.estimate", *[x for kv in argv.items() for x in kv])
+    p, secs = run_script("-m", "eagle3pipe.evaluate.estimate", *[x for kv in argv.items() for x in kv])
     assert_refused(p, secs, flag, repr(value))
 
 

@@ -47,7 +47,7 @@ def test_cross_stage_refusals(stages, model_path, tmp_path):
 
 
 def _no_gpu():
-    from eagle3pipe.devices import visible_gpus
+    from eagle3pipe.base.devices import visible_gpus
     return not visible_gpus()
 
 
@@ -98,7 +98,7 @@ def test_disk_preflight_counts_the_checkpoints_it_keeps(stages, model_path, tmp_
 PROBE = """
 import os, runpy, sys
 sys.path.insert(0, {repo!r})
-from eagle3pipe import train_plan
+from eagle3pipe.train import train_plan
 def confirm_device(*args):
     print("compile cache setting:", os.environ.get("TORCHINDUCTOR_CACHE_DIR"), flush=True)
     raise SystemExit(0)

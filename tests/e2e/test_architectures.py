@@ -10,7 +10,7 @@ from verifiers import wrapped_text_config
 
 def test_wrapper_config_is_read_from_its_text_config(ds, tmp_path):
     wrapper = wrapped_text_config(str(tmp_path / "kimi_like"), ds["model"])
-    from eagle3pipe import verifier
+    from eagle3pipe.verifier import verifier
     fp = verifier.fingerprint(wrapper)
     assert (fp["num_hidden_layers"], fp["hidden_size"], fp["vocab_size"]) == (8, 256, 49152)
     assert fp["architecture"] == "KimiK25ForConditionalGeneration"

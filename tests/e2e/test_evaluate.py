@@ -1,6 +1,6 @@
 """Stage 05 end to end on the embedded default: the session's trained draft (a Llama-style layer, Muon)
 served by vLLM beside the verifier alone on 4 short held-out prompts, in float32 at batch size 1, then the
-acceptance measure that needs no vLLM (eagle3pipe/acceptance.py: the verifier's greedy continuation and states
+acceptance measure that needs no vLLM (eagle3pipe/measures/acceptance.py: the verifier's greedy continuation and states
 through transformers, one TTT forward of the draft, vLLM's rounds replayed) alone on the same prompts (--vllm off).
 
 The measure's agreement with vLLM's own counters checks the whole chain end to end (states, layer ids, shift,

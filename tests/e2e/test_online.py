@@ -22,7 +22,7 @@ def test_external_engine_with_other_layers_is_refused_before_training(small, mod
     before any training (and the engine, not ours, keeps running)."""
     port = closed_port()
     log = open(tmp_path / "engine.log", "w")
-    engine = subprocess.Popen([sys.executable, "-m", "eagle3pipe.hf_server", "--model-path", model_path, "--layer-ids",
+    engine = subprocess.Popen([sys.executable, "-m", "eagle3pipe.engines.hf_server", "--model-path", model_path, "--layer-ids",
                                "2,15,30", "--spool", str(tmp_path / "spool"), "--port", str(port)], cwd=REPO,
                               stdout=log, stderr=subprocess.STDOUT)
     try:

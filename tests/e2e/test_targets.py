@@ -1,4 +1,4 @@
-"""Stage 04 trains toward the verifier's own next-token distribution, whatever the family (eagle3pipe/target_check.py):
+"""Stage 04 trains toward the verifier's own next-token distribution, whatever the family (eagle3pipe/train/target_check.py):
 on a few stored rows, speculators' targets (the draft family's RMSNorm holding the verifier's norm weight, then its
 head) are compared with the verifier's own head run by transformers' class for the family. Llama-style norms agree
 as they are (here); Gemma's `x * (1 + w)` norm trains through the verifier's own norm in speculators' place, and a

@@ -54,7 +54,7 @@ def test_training_lowers_the_loss_into_a_servable_checkpoint(trained, model_path
     man = json.load(open(out / "manifest.json"))
     assert man["stage"] == "train" and man["layer_ids"] == [2, 15, 27, 30] and man["steps"] > 0
     # the states were computed in float32 and stored bf16 (conftest); training computed in auto's dtype, said first
-    from eagle3pipe import compute
+    from eagle3pipe.base import compute
     hs_man = json.load(open(pathlib.Path(man["inputs"]["hidden_states"]) / "manifest.json"))
     assert hs_man["compute_dtype"] == "float32" and hs_man["storage_dtype"] == "bf16"
     auto = compute.resolve("auto", on_gpu=False)
@@ -62,7 +62,7 @@ def test_training_lowers_the_loss_into_a_servable_checkpoint(trained, model_path
     assert auto.describe() in p.stderr
     assert re.search(r"estimate from steps 2-\d+ at [0-9.]+ s/step: the remaining \d+ steps take about \d+ min",
                      p.stderr), p.stderr[-3000:]
-    from eagle3pipe.engine import serve_command  # the command that works with the vLLM installed here
+    from eagle3pipe.engines.engine import serve_command  # the command that works with the vLLM installed here
     assert f"serve it: {serve_command(model_path, str(out / 'last'), 3)}" in p.stdout, p.stdout[-600:]
     # checkpoint_best by the acceptance measure (conftest's `trained`: 4 prompts asked; the 2 validation rows give
     # their distinct first turns): every epoch's val_metrics.json carries it beside the trainer's estimate, and the
@@ -87,7 +87,7 @@ def test_the_acceptance_measure_runs_a_compiled_draft_eagerly(trained):
     length, under no_grad: compiled, every call recompiled until torch's limit. Here the forward is compiled as
     speculators compiles it on a GPU, through a backend that counts the graphs it is handed."""
     import torch
-    from eagle3pipe import acceptance
+    from eagle3pipe.measures import acceptance
     model, _ = acceptance.load_draft(str(trained[0] / "last"))
     graphs = []
 
@@ -115,7 +115,8 @@ def test_the_acceptance_measure_reads_a_draft_with_the_whole_vocabulary(trained)
     head at every step, in the verifier's vocabulary."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from eagle3pipe import acceptance, adapters
+    from eagle3pipe.measures import acceptance
+    from eagle3pipe import adapters
     cfg = Eagle3SpeculatorConfig.from_pretrained(str(trained[0] / "last"))
     adapters.use_sdpa(cfg.transformer_layer_config)  # as acceptance.load_draft builds it
     vocab = cfg.transformer_layer_config.vocab_size

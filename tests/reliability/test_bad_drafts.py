@@ -15,7 +15,8 @@ EVERY = 4  # the default set's share of each family: the slow set runs every cas
 def test_the_lean_base_passes_the_checks(draft_base, model_path, tmp_path):
     """Every mutant starts from this folder (and the index family from its sharded form): both must pass, or the
     refusals below would prove nothing."""
-    from eagle3pipe import draft_check, verifier
+    from eagle3pipe.measures import draft_check
+    from eagle3pipe.verifier import verifier
     build(*draft_base, tmp_path / "lean", lambda *a: None, random.Random(SEED))
     build(*draft_base, tmp_path / "sharded", sharded(lambda d, i: None), random.Random(SEED))
     fp, tc = verifier.open_verifier(model_path, False)

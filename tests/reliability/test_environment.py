@@ -1,4 +1,4 @@
-"""What a stage inherits from the shell (eagle3pipe/inherited.py): closed standard descriptors, output nobody reads
+"""What a stage inherits from the shell (eagle3pipe/base/inherited.py): closed standard descriptors, output nobody reads
 or that cannot be written, a umask that takes the owner's own permissions, a cache variable naming a file, a file
 size limit, a lock handed by a variable set by hand. Stage 03 stands for every stage (they share cli.run and
 cli.parse_args): each case is its real run, and each refusal one line, exit 2, before anything is made."""
@@ -44,7 +44,7 @@ def test_a_path_the_output_encoding_lacks_is_escaped_and_what_follows_still_come
     """Under an ASCII-only output encoding (PYTHONIOENCODING=ascii, LC_ALL=C on older Pythons) a path with an accent
     raised an encoding error; it is escaped, and the output goes on (a stream silenced for it would drop the
     launcher's PIDs and its `tail -f` line)."""
-    code = "from eagle3pipe import inherited; inherited.guard(); print('data/modèles'); print('after')"
+    code = "from eagle3pipe.base import inherited; inherited.guard(); print('data/modèles'); print('after')"
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONIOENCODING": "ascii"})
     assert p.returncode == 0 and p.stdout == "data/mod\\xe8les\nafter\n", (p.stdout, p.stderr)

@@ -8,9 +8,9 @@ import shutil
 import pytest
 
 from conftest import CHAT, assert_refused, chat_folder, run_script, snapshot
-from eagle3pipe import verifier
-from eagle3pipe.cli import UsageError
-from eagle3pipe.evaluation import check_draft
+from eagle3pipe.verifier import verifier
+from eagle3pipe.config.cli import UsageError
+from eagle3pipe.evaluate.evaluation import check_draft
 
 
 DEEP = 100_000
@@ -184,7 +184,7 @@ def test_known_model_types_and_tokenizers_pass(model_path, tmp_path):
 
 def test_load_tokenizer_turns_transformers_refusal_into_one_line(model_path, tmp_path):
     """The backstop behind check_remote_code: transformers' own refusal, as one UsageError naming the flag."""
-    from eagle3pipe.masks import load_tokenizer
+    from eagle3pipe.chat.masks import load_tokenizer
     marker = tmp_path / "ran_remote_code"
     m = _model_copy(model_path, tmp_path, marker, REMOTE_MODEL, REMOTE_TOKENIZER)
     with pytest.raises(UsageError, match="ships its own code.*--trust-remote-code") as e:

@@ -1,4 +1,4 @@
-"""No child outlives its stage (eagle3pipe/lifeline.py): a stage killed with SIGKILL, at any point, leaves no process
+"""No child outlives its stage (eagle3pipe/base/lifeline.py): a stage killed with SIGKILL, at any point, leaves no process
 behind, whether the process ignores SIGTERM, sits in a session of its own, was orphaned before the stage died or was
 started a moment before. Real processes; the stage is a small script that starts the lifeline as the stages do."""
 import os
@@ -11,12 +11,12 @@ import uuid
 import pytest
 
 from conftest import REPO, killed_at, left_behind, marked_processes, online_args, reached
-from eagle3pipe import lifeline
+from eagle3pipe.base import lifeline
 
 STAGE = """
 import os, subprocess, sys, time
 sys.path.insert(0, {repo!r})
-from eagle3pipe import lifeline
+from eagle3pipe.base import lifeline
 lifeline.start()
 stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
 # a child that ignores SIGTERM
@@ -48,7 +48,7 @@ def _stage(tmp_path, mark, pause, rest):
 def _watchdog(mark, stage_pid):
     """The stage's watchdog: `python -I -S .../lifeline.py <stage pid> <token> <fd>`."""
     for pid, cmd in marked_processes(mark):
-        if cmd.split()[-4].endswith(os.path.join("eagle3pipe", "lifeline.py")) and cmd.split()[-3] == str(stage_pid):
+        if cmd.split()[-4].endswith(os.path.join("eagle3pipe", "base", "lifeline.py")) and cmd.split()[-3] == str(stage_pid):
             return pid
     return None
 

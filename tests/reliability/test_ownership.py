@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from conftest import REPO
-from eagle3pipe import outdir
-from eagle3pipe.cli import UsageError
+from eagle3pipe.storage import outdir
+from eagle3pipe.config.cli import UsageError
 
 
 def _claim(d, stage="vocab", **kw):
@@ -17,7 +17,7 @@ def _claim(d, stage="vocab", **kw):
 
 def test_claim_removes_only_dead_writers_recorded_temps_and_overwrite_only_ours(tmp_path):
     d = tmp_path / "out"
-    code = (f"import os, sys; sys.path.insert(0, {REPO!r}); from eagle3pipe import outdir; "
+    code = (f"import os, sys; sys.path.insert(0, {REPO!r}); from eagle3pipe.storage import outdir; "
             f"outdir.claim('--output-dir', {str(d)!r}, 'vocab'); t = outdir.new_temp({str(d / 'a.npy')!r}); "
             f"os.mkdir({str(d / 'sub')!r}); outdir.record({str(d / 'sub')!r}); "
             f"open({str(d / 'sub' / 'x.npy')!r}, 'w').write('ours'); outdir.record({str(d / 'sub' / 'x.npy')!r}); "
@@ -40,7 +40,7 @@ def test_claim_removes_only_dead_writers_recorded_temps_and_overwrite_only_ours(
 
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     d = tmp_path / "out"
-    code = (f"import sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe import outdir; "
+    code = (f"import sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe.storage import outdir; "
             f"outdir.claim('--output-dir', {str(d)!r}, 'vocab'); print('held', flush=True); "
             f"time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -66,7 +66,7 @@ def test_a_refusal_names_the_holder_even_while_it_takes_or_renames_its_lock(tmp_
     over and over with longer and shorter lines, is always named whole."""
     d = tmp_path / "out"
     d.mkdir()
-    code = (f"import fcntl, os, sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe import locks; "
+    code = (f"import fcntl, os, sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe.storage import locks; "
             f"fd = os.open({str(d / outdir.LOCK)!r}, os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); "
             f"print('locked', flush=True); time.sleep(0.3); end = time.monotonic() + 30\n"
             f"while time.monotonic() < end:\n"
@@ -120,7 +120,7 @@ def test_an_output_inside_a_stage_folder_or_under_a_file_or_through_a_dangling_l
 def _child(code, **env):
     """`code` in a fresh process (a claim holds its folder's lock for the process's life)."""
     return subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {REPO!r}); "
-                           f"from eagle3pipe import outdir; {code}"], capture_output=True, text=True,
+                           f"from eagle3pipe.storage import outdir; {code}"], capture_output=True, text=True,
                           env=dict(os.environ, **env))
 
 
@@ -133,7 +133,7 @@ def test_a_kill_between_a_rename_and_its_record_leaves_what_the_record_proves_ou
     import signal
     d = tmp_path / "out"
     claim = f"outdir.claim('--output-dir', {str(d)!r}, 'vocab'"
-    write = (f"from eagle3pipe import files; files.write_json({str(d / 'a.json')!r}, {{'x': 1}})" if point == "installed"
+    write = (f"from eagle3pipe.storage import files; files.write_json({str(d / 'a.json')!r}, {{'x': 1}})" if point == "installed"
              else f"p = {str(d / 'new')!r}; outdir.make_dir(p); open(p + '/x.npy', 'w').write('ours'); "
                   f"outdir.record(p + '/x.npy'); outdir.replace_dir(p, {str(d / 'sub')!r})")
     p = _child(f"{claim}); {write}", EAGLE3_INJECT_KILL=point)
@@ -190,7 +190,7 @@ def test_a_lock_copied_with_its_folder_never_names_a_stranger(tmp_path):
     d = tmp_path / "copy"
     d.mkdir()
     (d / outdir.LOCK).write_text(f"PID {gone} on {socket.gethostname()}: 02_extract_hidden_states.py (copied)\n")
-    code = (f"import sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe import outdir; "
+    code = (f"import sys, time; sys.path.insert(0, {REPO!r}); from eagle3pipe.storage import outdir; "
             f"outdir.claim('--output-dir', {str(d)!r}, 'vocab', shard=(0, 2)); print('held', flush=True); "
             f"time.sleep(60)")
     replica = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -1,5 +1,5 @@
 """A shared --engine-spool (a folder the stage does not own): only the files the engine made for this run, and
-their locks, are deleted there (eagle3pipe/spool.py); a person's file of any name stays, whatever an engine names.
+their locks, are deleted there (eagle3pipe/formats/spool.py); a person's file of any name stays, whatever an engine names.
 The stage's side runs in a process started after the person's files were made, as stage 04 would be."""
 import subprocess
 import sys
@@ -8,14 +8,14 @@ import time
 import torch
 
 from conftest import REPO
-from eagle3pipe.hidden_states import save
+from eagle3pipe.formats.hidden_states import save
 
 STAGE = """
 import os, sys, torch
 sys.path.insert(0, {repo!r})
-from eagle3pipe import outdir
-from eagle3pipe.spool import clear_spool, remove_spool_file, wait_for_engine_file
-from eagle3pipe.hidden_states import save
+from eagle3pipe.storage import outdir
+from eagle3pipe.formats.spool import clear_spool, remove_spool_file, wait_for_engine_file
+from eagle3pipe.formats.hidden_states import save
 spool = sys.argv[1]
 states = {{"hidden_states": torch.zeros(3, 2, 4, dtype=torch.bfloat16), "token_ids": torch.tensor([1, 2, 3])}}
 # what this run's engine writes (the connector: the file, then its lock released), then names in its answers

@@ -1,6 +1,6 @@
-"""Stage 01's worker processes (--num-workers, eagle3pipe/tokenize_workers.py) end with the stage however either
+"""Stage 01's worker processes (--num-workers, eagle3pipe/chat/tokenize_workers.py) end with the stage however either
 ends: a worker killed is one line and no folder, not a wait on results that never come; a stop signal or a SIGKILL
-of the stage leaves no worker behind. Real workers, faults injected (eagle3pipe/faults.py)."""
+of the stage leaves no worker behind. Real workers, faults injected (eagle3pipe/base/faults.py)."""
 import json
 import os
 import signal

@@ -100,7 +100,7 @@ def test_a_rerun_resumes_only_the_same_run_and_inputs_deleted_under_it_stop_it(s
     assert_refused(*run_script(*train_args(model_path, d, out, *other)), "--total-seq-len 1024 -> 512",
                    "--lr 0.003 -> 0.002", "--val-ratio 0.05 -> 0.1", "--overwrite")
     # the compute dtype is part of what is trained: the one `auto` resolved to here, then the other
-    from eagle3pipe import compute
+    from eagle3pipe.base import compute
     was = compute.resolve("auto", False).dtype
     now = "float32" if was == "bfloat16" else "bfloat16"
     assert_refused(*run_script(*train_args(model_path, d, out, *first, "--epochs", "2", "--dtype", now)),

@@ -1,4 +1,4 @@
-"""The verifier's weights against its config, before any engine or weight loads (eagle3pipe/verifier_weights.py):
+"""The verifier's weights against its config, before any engine or weight loads (eagle3pipe/verifier/verifier_weights.py):
 small random verifiers of several families, built the way transformers saves them (norm weights random too), pass;
 the bad folders tests/bad_verifiers.py generates from each (a tensor dropped, added, transposed, reshaped, retyped, a
 shard gone, a lying index or header) are refused in one line naming the tensor or the file. Then the stages: each
@@ -38,7 +38,7 @@ ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gem
 
 
 def _verify(path, trust=False):
-    from eagle3pipe.verifier_weights import verify
+    from eagle3pipe.verifier.verifier_weights import verify
     return verify(str(path), trust)
 
 
@@ -47,7 +47,7 @@ DEFAULT = ("gemma3", "int4", "llama")  # the rest (qwen3, mixtral, deepseek_v3):
 
 @pytest.mark.parametrize("family", DEFAULT)
 def test_each_family_matches_its_definition_and_every_generated_fault_is_named(family, families, tmp_path):
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.base.errors import UsageError
     src = families[family]
     trust = family == "int4"  # its tokenizer ships as code, as Kimi-K2.5's does
     line = _verify(src, trust)
@@ -71,7 +71,7 @@ def test_each_family_matches_its_definition_and_every_generated_fault_is_named(f
 def test_tied_heads_and_declared_skips_come_from_the_model(families, tmp_path):
     """A tied head stored anyway passes in its shape; DeepSeek-V3's multi-token-prediction layer (61, which its
     definition skips on load) passes; a layer past the config's that the model does not skip is refused."""
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.base.errors import UsageError
     from bad_drafts import write_st
     llama = tmp_path / "tied"
     shutil.copytree(families["llama"], llama)
@@ -96,7 +96,7 @@ def test_a_wrapper_keeps_its_own_tensors_beside_the_language_model(families, tmp
     """A multimodal wrapper (text_config) stores its language model under a prefix of its own and a vision tower
     beside it: the prefix is read from where the embeddings are, the tower is the wrapper's; a tensor lost from the
     language model is still named."""
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.base.errors import UsageError
     from bad_drafts import write_st
     src = families["qwen3"]
     wrapper = tmp_path / "wrapper"
@@ -173,8 +173,8 @@ def test_every_stage_that_loads_the_verifier_refuses_a_missing_tensor_before_it_
 def test_the_hf_backend_never_runs_a_verifier_filled_at_random(missing_one):
     """Where the check could not run first (a hub id's files come as they load), transformers' own report of what
     it initialised at random stops the stage."""
-    from eagle3pipe.backends import HFBackend
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.engines.backends import HFBackend
+    from eagle3pipe.base.errors import UsageError
     with pytest.raises(UsageError, match=r"transformers loaded the verifier with (model\.)?"
                                          r"layers\.7\.self_attn\.k_proj\.weight missing from the checkpoint "
                                          r"\(1 missing, 0 misshapen\), so initialised at random; refused"):
@@ -187,8 +187,8 @@ def test_configs_no_loader_would_take_are_one_line_before_anything_loads(familie
     weight stored as I8 (a matmul of bf16 by int8 at the first forward), a gptq one over weights stored unquantized
     (an ImportError of optimum, or random dequantization); and a model_type transformers does not know with no code
     of its own (stage 02's load: ValueError)."""
-    from eagle3pipe import verifier
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.verifier import verifier
+    from eagle3pipe.base.errors import UsageError
     from bad_drafts import write_st
     src = families["llama"]
 
@@ -248,8 +248,8 @@ def test_an_fp8_verifier_s_scales_and_what_transformers_can_run_of_it_here(famil
     is refused by the plan in one line; the GPU is not refused what runs there."""
     import dataclasses
     import importlib.util
-    from eagle3pipe import quantization
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.verifier import quantization
+    from eagle3pipe.base.errors import UsageError
     src = families["llama"]  # width 64, MLP 128
     good = quantization.read(str(_fp8(src, tmp_path / "good", [32, 32])))
     assert (good.method, good.uneven) == ("fp8", "")

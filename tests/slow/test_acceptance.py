@@ -1,4 +1,4 @@
-"""Acceptance measured without vLLM (eagle3pipe/acceptance.py) agrees with vLLM's own counters: stage 05 on the
+"""Acceptance measured without vLLM (eagle3pipe/measures/acceptance.py) agrees with vLLM's own counters: stage 05 on the
 session's trained draft at batch size 1 in float32 on 8 short held-out prompts reports both, vLLM's figure and the
 measure's (the verifier's greedy continuation and states through transformers, one TTT forward of the draft,
 vLLM's rounds replayed), so the chain is checked end to end (states, layer ids, shift, vocabulary map, stop ids).

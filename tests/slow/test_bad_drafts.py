@@ -17,7 +17,8 @@ def test_every_bad_draft_is_refused_in_one_line_before_anything_loads(family, dr
 def test_an_mla_draft_and_its_vllm_copy(ds, ds_mla, tmp_path):
     """The MLA draft is served from its vllm/ copy: a copy missing, saying other sizes, or holding other weights is
     refused like the checkpoint itself; the untouched checkpoint passes."""
-    from eagle3pipe import draft_check, verifier
+    from eagle3pipe.measures import draft_check
+    from eagle3pipe.verifier import verifier
     _, ckpt = ds_mla
     src = os.path.realpath(ckpt / "last")
     fp, tc = verifier.open_verifier(ds["model"], False)

@@ -13,7 +13,7 @@ CHILD = """
 import json, logging, sys
 sys.path.insert(0, {repo!r})
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
-from eagle3pipe import compile_cache
+from eagle3pipe.base import compile_cache
 path, kept = compile_cache.prepare()
 import torch
 from torch._dynamo.utils import counters

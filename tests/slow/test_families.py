@@ -1,4 +1,4 @@
-"""The weights check (eagle3pipe/verifier_weights.py) on the families the default set leaves out: Qwen3, Mixtral's
+"""The weights check (eagle3pipe/verifier/verifier_weights.py) on the families the default set leaves out: Qwen3, Mixtral's
 routed experts and DeepSeek-V3 (MLA, routed experts, the router's bias), each whole and sharded, and every fault
 tests/bad_verifiers.py generates from it (the default set: Llama, Gemma 3, Kimi-K2.5's INT4 form, in
 tests/reliability/test_verifier_weights.py)."""

@@ -12,7 +12,7 @@ from verifiers import dense
 
 
 def test_qwen3_from_chats_to_a_measured_draft_through_both_backends(model_path, tmp_path):
-    from eagle3pipe import vllm_support
+    from eagle3pipe.verifier import vllm_support
     model = dense(str(tmp_path / "qwen3"), model_path, "Qwen3Config", hidden=128, heads=4, head_dim=32)
     d = {k: tmp_path / k for k in ("prepared", "hs", "hs_vllm", "vocab", "ckpt", "ev")}
     steps = [

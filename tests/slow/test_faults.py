@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import REPO, assert_refused, ended_with_one_line, rows_of, run_script, train_args
-from eagle3pipe.hidden_states import check_file, hs_path
+from eagle3pipe.formats.hidden_states import check_file, hs_path
 from faults import assert_complete, cmd, online_killed_and_resumed, stage02_killed_at, stage04_killed_in_save
 
 
@@ -96,7 +96,7 @@ def test_bad_hidden_states_are_named_where_read_and_stop_the_run_beyond_a_share(
     --verify-data names the first before step 1; a wrong dtype or a truncated file is named up front anyway."""
     import json
     import torch
-    from eagle3pipe.hidden_states import save
+    from eagle3pipe.formats.hidden_states import save
     from safetensors.torch import load_file
     hs = tmp_path / "hs"
     shutil.copytree(stages["hs"], hs)

@@ -1,7 +1,7 @@
 """Stage 04 trains a Gemma 3 draft through the verifier's own final norm (its log says so before step 1, the
 checkpoint holds no verifier norm, and no serve command this vLLM cannot run is printed), stage 05 gives its
 acceptance measure without vLLM (which has no EAGLE-3 for the family), and stage 04 refuses a Gemma 2 whose
-logit cap moves the distribution (eagle3pipe/target_check.py; the plan-level checks: tests/e2e/test_targets.py)."""
+logit cap moves the distribution (eagle3pipe/train/target_check.py; the plan-level checks: tests/e2e/test_targets.py)."""
 import json
 import os
 
@@ -12,7 +12,7 @@ from verifiers import stage04_plan as _plan, stages_01_to_03 as _stages
 
 
 def test_gemma_trains_through_its_own_norm_and_a_capped_family_is_refused(model_path, tmp_path):
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.base.errors import UsageError
     from verifiers import dense, gemma3
     model = gemma3(str(tmp_path / "gemma3"), model_path)
     d = _stages(model, tmp_path / "g3")

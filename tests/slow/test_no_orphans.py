@@ -1,4 +1,4 @@
-"""No process outlives a killed stage (eagle3pipe/lifeline.py), through the real entry points: stage 05 (vLLM's LLM
+"""No process outlives a killed stage (eagle3pipe/base/lifeline.py), through the real entry points: stage 05 (vLLM's LLM
 in its own process, which spawns the EngineCore) and stage 04 --online with the HF engine (a server it starts),
 SIGKILLed at points of the engine's start and after, and stage 04 once a step has trained on batches from loader
 workers forked by its fork server; every process the stage started is gone within a bounded wait

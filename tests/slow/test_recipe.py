@@ -5,7 +5,7 @@ serves both checkpoints and the session's Llama-style draft through vLLM on the 
 reports the best in full, and puts the trainer's estimate beside vLLM's measurement.
 
 The same run checks the acceptance measure on three checkpoints (the default set's tests/e2e/test_evaluate.py on one): at batch size 1 in float32, acceptance measured without vLLM
-(eagle3pipe/acceptance.py: the verifier's greedy continuation and states through transformers, one TTT forward of
+(eagle3pipe/measures/acceptance.py: the verifier's greedy continuation and states through transformers, one TTT forward of
 the draft, vLLM's rounds replayed) equals vLLM's own counters for each checkpoint, so the chain is checked end to
 end (states, layer ids, shift, vocabulary map, stop ids) on both layer kinds. The rounds' finer rules (the first
 point, the overshoot past the stop) move the figures by less than the tolerance, so tests/unit/test_acceptance.py

@@ -13,7 +13,7 @@ def test_vllm_serves_the_draft_and_greedy_output_is_unchanged(trained, model_pat
     code = f"""
 import json, os, sys
 sys.path.insert(0, {REPO!r})
-from eagle3pipe.engine import cpu_vllm_env
+from eagle3pipe.engines.engine import cpu_vllm_env
 cpu_vllm_env()
 from vllm import LLM, SamplingParams
 prompts = [[{{"role": "user", "content": q}}] for q in ("What is the capital of France?", "Name three colors.")]

@@ -3,7 +3,7 @@ at prompt_len-1, the next one after the accepted tokens and the bonus, and round
 EOS counted whole, as vLLM's scheduler counts them before it cuts the output."""
 import pytest
 
-from eagle3pipe.acceptance import output_length, position_hits, simulate
+from eagle3pipe.measures.acceptance import output_length, position_hits, simulate
 
 P, K, EOS = 4, 3, 2
 WRONG = -1
@@ -83,7 +83,7 @@ def test_stage04_measures_on_the_first_turn_of_validation_rows_only():
     """validation_measure.validation_prompts: speculators' split (rows from int(n x (1 - val_ratio)) on), each prompt
     the ids before the row's first trained token; a row with no trained token, a repeated prompt or a prompt longer
     than MAX_PROMPT_TOKENS is passed over."""
-    from eagle3pipe.validation_measure import MAX_PROMPT_TOKENS, validation_prompts
+    from eagle3pipe.train.validation_measure import MAX_PROMPT_TOKENS, validation_prompts
     train = [([1, 2, 3, 4], [0, 0, 1, 1])] * 8  # never used: before the cut
     val = [([5, 6, 7, 8], [0, 0, 0, 0]),  # nothing trained: no first turn to continue
            ([5, 6, 7, 8], [0, 0, 1, 1]),
@@ -97,7 +97,7 @@ def test_stage04_measures_on_the_first_turn_of_validation_rows_only():
 def test_checkpoint_best_by_the_measure_never_compares_it_with_the_estimate():
     """checkpoints.best_score: a run that measures scores a checkpoint saved without the measure (an earlier run's) at
     -1, so the first measured epoch replaces it; a run that does not measure keeps the trainer's estimate."""
-    from eagle3pipe.checkpoints import best_score
+    from eagle3pipe.train.checkpoints import best_score
     vm = {"full_acc_0_epoch": 0.5, "full_acc_1_epoch": 0.25}
     assert best_score(vm, measured=False) == (1.75, "estimate")
     assert best_score(vm, measured=True) == (-1.0, "measure")
@@ -108,9 +108,9 @@ def test_num_samples_takes_the_first_rows_and_refuses_more_than_there_are():
     """Stage 04's --num-samples: the first N rows (row i stays hs_i), failed rows past N forgotten; N above the row
     count is refused in one line naming the flag and the folder."""
     from types import SimpleNamespace
-    from eagle3pipe.errors import UsageError
-    from eagle3pipe.train_data import first_rows
-    from eagle3pipe.rows import Rows
+    from eagle3pipe.base.errors import UsageError
+    from eagle3pipe.train.train_data import first_rows
+    from eagle3pipe.storage.rows import Rows
     rows = Rows.from_lists([([i], [1]) for i in range(10)])
     args = SimpleNamespace(num_samples=4, prepared_data="data/prepared")
     first, failed = first_rows(args, rows, {2, 7})

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO
 from eagle3pipe import adapters
-from eagle3pipe.errors import UsageError
+from eagle3pipe.base.errors import UsageError
 
 
 
@@ -95,10 +95,11 @@ def _replacements(text, name):
 def test_no_module_but_the_adapter_room_replaces_another_library_s_attribute():
     pkg = os.path.join(REPO, "eagle3pipe")
     found = []
-    for name in sorted(os.listdir(pkg)):
-        if name.endswith(".py") and name != "adapters.py":
-            with open(os.path.join(pkg, name), encoding="utf-8") as f:
-                found += _replacements(f.read(), name)
+    for folder, _, names in sorted(os.walk(pkg)):
+        for name in sorted(names):
+            if name.endswith(".py") and name != "adapters.py":
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    found += _replacements(f.read(), name)
     assert found == []
     # the scan sees a replacement, however it is spelled
     probe = "import torch\nimport speculators.train.cli as scli\nfrom x import y\ntorch.a.b = 1\nscli.T = 2\n" \
@@ -111,7 +112,8 @@ def test_every_recipe_option_reaches_speculators_config_by_name():
     its names, and the losses stage 04 accepts must be the ones it has."""
     from speculators.losses.utils import _EAGER_LOSS_FN_MAP, _FUSED_LOSS_FN_MAP
     from speculators.train.config import schema
-    from eagle3pipe import settings, training
+    from eagle3pipe.config import settings
+    from eagle3pipe.train import training
     assert set(training.DEFAULT_RECIPE) <= set(schema.CONFIG_DESTS)
     assert sorted(settings.Train.LOSSES) == sorted(_EAGER_LOSS_FN_MAP) == sorted(_FUSED_LOSS_FN_MAP)
     changed = {"draft_arch": "qwen3", "norm_before_fc": False, "fc_norm": True, "norm_output": False,
@@ -135,7 +137,7 @@ def test_every_trainer_method_we_override_and_attribute_we_touch_is_checked():
     adapters.TRAINER_OVERRIDES / TRAINER_ATTRS, which PRIVATE checks against the installed speculators, so a
     rename upstream is one line before torch loads, not a silently skipped override."""
     from speculators.train.trainer import Trainer
-    tree = ast.parse(open(os.path.join(REPO, "eagle3pipe", "training.py")).read())
+    tree = ast.parse(open(os.path.join(REPO, "eagle3pipe", "train", "training.py")).read())
     overrides, touched = set(), set()
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         if not any(getattr(b, "id", "") in ("Trainer", "trainer_cls") for b in cls.bases):
@@ -146,7 +148,7 @@ def test_every_trainer_method_we_override_and_attribute_we_touch_is_checked():
                     and not hasattr(Trainer, node.attr):  # an instance attribute, read or written
                 touched.add(node.attr)
     # and what the overrides' bodies in checkpoints.py do with the trainer they are handed
-    for node in ast.walk(ast.parse(open(os.path.join(REPO, "eagle3pipe", "checkpoints.py")).read())):
+    for node in ast.walk(ast.parse(open(os.path.join(REPO, "eagle3pipe", "train", "checkpoints.py")).read())):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "trainer" \
                 and not hasattr(Trainer, node.attr):
             touched.add(node.attr)

@@ -4,7 +4,7 @@ queued, and gets an error (not a hang) when queuing it failed. The copy itself n
 import threading
 
 
-from eagle3pipe.backends import DeferredCopy
+from eagle3pipe.engines.backends import DeferredCopy
 
 
 

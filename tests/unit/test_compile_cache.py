@@ -1,4 +1,4 @@
-"""Stage 04's torch.compile cache (eagle3pipe/compile_cache.py): kept in the user's cache folder between runs, and
+"""Stage 04's torch.compile cache (eagle3pipe/base/compile_cache.py): kept in the user's cache folder between runs, and
 read only when it is this user's alone; anything else is one warning line and a fresh private folder for the run.
 A second run reusing what the first compiled: tests/slow/test_compile_cache.py."""
 import logging
@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from eagle3pipe import compile_cache
+from eagle3pipe.base import compile_cache
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
-"""The compute dtype chosen from the hardware (eagle3pipe/compute.py): bf16 where it is native, float32 elsewhere,
+"""The compute dtype chosen from the hardware (eagle3pipe/base/compute.py): bf16 where it is native, float32 elsewhere,
 fed the flag sets real machines report (no model, no torch)."""
 import pytest
 
-from eagle3pipe import compute, devices
+from eagle3pipe.base import compute, devices
 
 
 # /proc/cpuinfo lines as real machines print them (trimmed to the flags that matter and a few around them)
@@ -84,7 +84,7 @@ def test_vllm_cpu_threads_bind_to_the_affinity():
     """vLLM-CPU's OpenMP threads bind to the CPUs this process may run on (its affinity: a taskset), in the variable's
     own form: runs as "a-b", joined by commas."""
     import os
-    from eagle3pipe import engine
+    from eagle3pipe.engines import engine
     before = os.sched_getaffinity(0)
     ids = sorted(before)
     try:

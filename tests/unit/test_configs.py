@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import REPO, load_script
-from eagle3pipe import cli
+from eagle3pipe.config import cli
 
 
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
@@ -52,7 +52,7 @@ STAGE_OF = {"01_prepare_dataset.py": "prepare", "02_extract_hidden_states.py": "
 def test_every_script_flag_is_a_record_field_and_a_config_key():
     """Every flag lands in the stage's typed record, and any flag can be put in a config file (except --config and
     the switches of one run)."""
-    from eagle3pipe import settings
+    from eagle3pipe.config import settings
     local = {"config", "help"} | settings.RUN_ONLY
     for script in SCRIPTS:
         mod = load_script(script)

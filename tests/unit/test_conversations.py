@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from eagle3pipe import conversations as conv, messages as chat
-from eagle3pipe.cli import UsageError
+from eagle3pipe.chat import conversations as conv, messages as chat
+from eagle3pipe.config.cli import UsageError
 
 
 
@@ -215,7 +215,7 @@ def test_regenerate_refuses_tool_use_naming_the_record_and_a_call_alone_is_an_an
     answer, so a record that calls or offers tools is refused before any model loads. Without it, a turn that only
     calls a tool is an answer (it was skipped as an empty one)."""
     import logging
-    from eagle3pipe import preparation
+    from eagle3pipe.prepare import preparation
     call = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}
     offer = {"tools": [{"type": "function", "function": {"name": "f"}}], "messages": [
@@ -262,7 +262,7 @@ def test_a_json_records_nulls_are_its_own_and_nan_is_refused_naming_the_record(t
     columns make nulls of absent keys), so it is kept as written. NaN and the infinities, which Python's json reads
     but JSON has not, are refused in one line naming the record, as an object or as text."""
     import pytest
-    from eagle3pipe.errors import UsageError
+    from eagle3pipe.base.errors import UsageError
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"limit": None, "q": {"x": None}}}}
     rec = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"default": None}}}],
            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]}]}

@@ -3,7 +3,7 @@ so it is sized to what the engine can hold at once, never less, and never more t
 vLLM starts and serves with it: tests/e2e/test_evaluate.py (a draft) and tests/e2e/test_extract.py (stage 02)."""
 import json
 
-from eagle3pipe import engine
+from eagle3pipe.engines import engine
 
 SMOLLM2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}
 DEEPSEEK_V3 = {"hidden_size": 7168, "num_attention_heads": 128, "num_hidden_layers": 61, "kv_lora_rank": 512,

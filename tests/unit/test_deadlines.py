@@ -3,8 +3,8 @@ import time
 
 import pytest
 
-from eagle3pipe import deadlines
-from eagle3pipe.errors import UsageError
+from eagle3pipe.base import deadlines
+from eagle3pipe.base.errors import UsageError
 
 
 def test_call_answers_raises_or_gives_up_at_its_deadline():

@@ -1,12 +1,12 @@
-"""The engine's output goes to its log file (eagle3pipe/engine.py): what a process started inside prints lands there
+"""The engine's output goes to its log file (eagle3pipe/engines/engine.py): what a process started inside prints lands there
 for good, our own stdout comes back after, and a link planted at the log's name is refused in one line, never
 written through (no model: a plain child process stands for vLLM's workers)."""
 import os
 
 import pytest
 
-from eagle3pipe import engine
-from eagle3pipe.cli import RunError
+from eagle3pipe.engines import engine
+from eagle3pipe.config.cli import RunError
 
 
 def test_a_link_at_the_logs_name_is_refused_not_followed(tmp_path):
@@ -104,7 +104,7 @@ ERROR 12-07 23:31:00 [core.py:708] EngineCore failed to start.
     ("INFO 01-02 10:00:00 [x.py:1] all fine\n", ""),
 ])
 def test_the_root_cause_not_its_wrappers(text, cause, tmp_path):
-    from eagle3pipe.engine_log import root_cause
+    from eagle3pipe.engines.engine_log import root_cause
     assert root_cause(text.splitlines()) == cause
     log = tmp_path / "engine.log"
     log.write_text(text)
@@ -113,7 +113,7 @@ def test_the_root_cause_not_its_wrappers(text, cause, tmp_path):
 
 def test_the_one_line_of_an_engine_that_failed_to_start_quotes_the_cause(tmp_path):
     """make_llm's line (engine.start_failure) and cli.describe's, for vLLM's wrapper and a worker's re-raise."""
-    from eagle3pipe.cli import describe
+    from eagle3pipe.config.cli import describe
     log = tmp_path / "engine.log"
     log.write_text(WORKER_FAILED)
     wrapper = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")

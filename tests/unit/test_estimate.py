@@ -1,8 +1,8 @@
-"""The quickstart's estimate (eagle3pipe/estimate.py): stage times scale with the measured slowdown, and the fitted
+"""The quickstart's estimate (eagle3pipe/evaluate/estimate.py): stage times scale with the measured slowdown, and the fitted
 size is the largest that fits the budget, never below the floor (pure arithmetic, no model)."""
 import pytest
 
-from eagle3pipe import estimate
+from eagle3pipe.evaluate import estimate
 
 KW = dict(epochs=1, prompts=8, new_tokens=64, batch_sizes=[1, 4])
 

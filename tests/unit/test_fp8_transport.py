@@ -9,9 +9,9 @@ import pytest
 import torch
 from speculators.train.data import ArrowDataset, CollateFn
 
-from eagle3pipe import fp8_transport
-from eagle3pipe import hidden_states as hs
-from eagle3pipe.train_data import CheckedFiles
+from eagle3pipe.formats import fp8_transport
+from eagle3pipe.formats import hidden_states as hs
+from eagle3pipe.train.train_data import CheckedFiles
 
 L, H, N = 3, 48, 160  # states per token (2 auxiliary + the last), hidden size, a batch's packed tokens
 LENGTHS = (37, 0, 61, 50)  # row 1 has no file (stage 02 could not extract it): speculators skips it
@@ -94,7 +94,7 @@ def test_a_file_holding_another_row_is_skipped_by_name(folder, tmp_path):
     in logs/skipped.jsonl, not a batch that comes out empty with nothing recorded."""
     import array
     import shutil
-    from eagle3pipe.train_data import ids_digest
+    from eagle3pipe.train.train_data import ids_digest
     ids = [hs.load_sample(hs.hs_path(folder, i), L, H)[1]["token_ids"].tolist() for i in (0, 2)]
     shutil.copy(folder / "hs_0.safetensors", tmp_path / "hs_0.safetensors")
     shutil.copy(folder / "hs_0.safetensors", tmp_path / "hs_2.safetensors")  # row 0's states under row 2's name
@@ -109,7 +109,7 @@ def test_scales_past_the_largest_stage_02_wrote_are_a_bad_sample(folder, tmp_pat
     """A file whose scales reach past what stage 02 wrote (its manifest's fp8_scale_max, the largest over the scale_max
     each file records) holds states the verifier never computed: scales of 1e30 with a checksum that fits are still
     skipped by name; so is a scale below the clamp stage 02 quantizes with."""
-    from eagle3pipe.extract_output import largest_scale
+    from eagle3pipe.extract.extract_output import largest_scale
     for i in (0, 2, 3):
         t = hs.load_sample(hs.hs_path(folder, i), L, H)[1]
         hs.save(hs.hs_path(tmp_path, i), t, **hs.scale_note(t))

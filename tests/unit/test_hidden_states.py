@@ -9,7 +9,7 @@ from hs_connectors.transfer import FileTransfer, FP8Transfer
 from pathlib import Path
 from safetensors.torch import load_file
 
-from eagle3pipe import hidden_states as hs
+from eagle3pipe.formats import hidden_states as hs
 
 
 T, L, H = 37, 4, 64
@@ -107,7 +107,7 @@ def test_checksum_over_several_chunks(tmp_path):
 def test_the_loader_reads_what_speculators_reads_bit_for_bit(tmp_path, storage):
     """The training loader's fast path (one read, views, a min/max finite check, fp8 through a table) gives the
     tensors speculators' own loaders give, bit for bit, in every compute dtype."""
-    from eagle3pipe.train_data import CheckedFiles
+    from eagle3pipe.train.train_data import CheckedFiles
     write(tmp_path, 0, storage)
     ref = (FP8Transfer if storage == "fp8" else FileTransfer)(Path(tmp_path)).get_cached(0)
     reason, t = hs.load_sample(hs.hs_path(tmp_path, 0), L, H)

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from eagle3pipe import conversations as conv, messages
-from eagle3pipe import verifier
-from eagle3pipe.cli import UsageError
+from eagle3pipe.chat import conversations as conv, messages
+from eagle3pipe.verifier import verifier
+from eagle3pipe.config.cli import UsageError
 
 from conftest import CHAT, chat_folder
 

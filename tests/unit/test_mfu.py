@@ -1,9 +1,9 @@
 """Stage 04's MFU line: the model FLOPs a trained token costs, counted from the draft's parameters, and the fraction
-of the device's dense peak the run reaches, in the dense log (eagle3pipe/train_log.py DenseLog, compute.py)."""
+of the device's dense peak the run reaches, in the dense log (eagle3pipe/train/train_log.py DenseLog, compute.py)."""
 import contextlib
 import logging
 
-from eagle3pipe import flops, train_log
+from eagle3pipe.train import flops, train_log
 
 H, I, DV = 64, 128, 256  # hidden, intermediate, draft vocabulary
 DRAFT = [("embed_tokens.weight", (1000, H), False),  # a lookup, not a matmul
@@ -96,7 +96,7 @@ def test_tok_s_and_data_wait_are_read_on_the_loaders_clock():
     almost none. Extreme contrasts, so the verdicts hold on any machine."""
     import time
     import torch
-    from eagle3pipe.input_watch import BatchGuard
+    from eagle3pipe.storage.input_watch import BatchGuard
 
     def batches(n, pause):
         for _ in range(n):

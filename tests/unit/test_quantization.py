@@ -1,4 +1,4 @@
-"""A verifier's quantization read from its config and tensor headers (eagle3pipe/quantization.py): what Kimi-K2.5's
+"""A verifier's quantization read from its config and tensor headers (eagle3pipe/verifier/quantization.py): what Kimi-K2.5's
 INT4 experts look like, what they weigh, every contradiction between config and tensors one line, and which vLLM
 kernel runs them where. Checkpoints here are safetensors files of the right names, dtypes and shapes (small numpy
 arrays): the reader looks at headers only; tests/e2e/test_int4.py runs a real one."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from eagle3pipe import quantization
-from eagle3pipe.errors import UsageError
+from eagle3pipe.verifier import quantization
+from eagle3pipe.base.errors import UsageError
 
 KIMI = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {

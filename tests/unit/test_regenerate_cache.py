@@ -1,10 +1,10 @@
-"""Stage 01 --regenerate's answer cache (eagle3pipe/regenerate.py): an answer is reused only for the conversation it
+"""Stage 01 --regenerate's answer cache (eagle3pipe/prepare/regenerate.py): an answer is reused only for the conversation it
 answered. Keyed by record id and turn alone, two records sharing an id (or a record edited between runs) took each
 other's answers on a rerun."""
 import json
 from types import SimpleNamespace
 
-from eagle3pipe import regenerate
+from eagle3pipe.prepare import regenerate
 
 
 def _conv(question):

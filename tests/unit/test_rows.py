@@ -1,4 +1,4 @@
-"""Stage 01's rows as stages 02 and 04 hold them (eagle3pipe/rows.py): one int32 array of ids, one uint8 array of
+"""Stage 01's rows as stages 02 and 04 hold them (eagle3pipe/storage/rows.py): one int32 array of ids, one uint8 array of
 masks, offsets; read and checked line by line, the same rows, digest and Arrow table as the plain lists they replace."""
 import hashlib
 import json
@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from eagle3pipe.errors import UsageError
-from eagle3pipe.rows import Rows, read_rows, same_ids
+from eagle3pipe.base.errors import UsageError
+from eagle3pipe.storage.rows import Rows, read_rows, same_ids
 
 ROWS = [([1, 2, 3], [0, 1, 1]), ([49151, 0], [1, 0]), ([7], [1]), ([5, 6, 7, 8, 9], [0, 0, 1, 1, 1])]
 
@@ -90,7 +90,7 @@ def test_the_arrow_table_is_the_one_datasets_builds_from_lists(tmp_path):
     """speculators reads stage 04's table: built from the arrays, it has the same types and rows as datasets' own
     from lists, chunked or not (chunks keep each int32 offset array under 2^31 tokens)."""
     import datasets
-    from eagle3pipe import train_data
+    from eagle3pipe.train import train_data
     rows = Rows.from_lists(ROWS)
     plain = datasets.Dataset.from_dict({"input_ids": [ids for ids, _ in ROWS], "loss_mask": [m for _, m in ROWS],
                                         "seq_len": [len(ids) for ids, _ in ROWS]})
@@ -112,7 +112,7 @@ def test_same_ids_compares_lists_arrays_and_tensors():
 def test_a_rows_digest_of_ids_is_the_same_for_its_view_a_list_and_a_tensor():
     """Stage 04 matches a file's token ids to its row by ids_digest: the row is an int32 view, the file's a list."""
     import torch
-    from eagle3pipe.train_data import ids_digest
+    from eagle3pipe.train.train_data import ids_digest
     ids = list(range(3, 100, 3))
     view = Rows.from_lists([([1], [1]), (ids, [1] * len(ids))])[1][0]
     assert ids_digest(view) == ids_digest(ids) == ids_digest(torch.tensor(ids))

@@ -8,8 +8,9 @@ import types
 import pytest
 
 from conftest import REPO
-from eagle3pipe import cli, outdir, settings
-from eagle3pipe.cli import UsageError
+from eagle3pipe.config import cli, settings
+from eagle3pipe.storage import outdir
+from eagle3pipe.config.cli import UsageError
 
 
 def _claim(d, stage="vocab", **kw):
@@ -19,7 +20,7 @@ def _claim(d, stage="vocab", **kw):
 def test_ownership_is_identity_recorded_after_creation(tmp_path):
     d = tmp_path / "out"
     _claim(d)
-    from eagle3pipe import files
+    from eagle3pipe.storage import files
     files.write_json(str(d / "a.json"), {"x": 1})
     assert outdir.owned(str(d / "a.json"))
     assert not outdir.owned(str(d / "b.json"))  # never made: a name alone is nothing
@@ -70,7 +71,7 @@ def test_links_planted_at_the_lock_the_temporaries_and_subfolders_are_never_foll
     (d / "sub").symlink_to(tmp_path, target_is_directory=True)
     with pytest.raises(UsageError, match="a link"):
         outdir.make_dir(str(d / "sub"))
-    from eagle3pipe import files
+    from eagle3pipe.storage import files
     files.write_json(str(d / "m.json"), {})  # its temporary name is fresh and O_EXCL: a planted one is never opened
     d2 = tmp_path / "out2"
     d2.mkdir()
@@ -82,7 +83,7 @@ def test_links_planted_at_the_lock_the_temporaries_and_subfolders_are_never_foll
 
 
 def test_engine_paths_are_used_only_inside_the_spool(tmp_path):
-    from eagle3pipe.spool import remove_spool_file
+    from eagle3pipe.formats.spool import remove_spool_file
     spool = tmp_path / "spool"
     spool.mkdir()
     (spool / "hs.safetensors").write_text("x")
@@ -252,8 +253,9 @@ def test_a_gpu_out_of_memory_reads_as_its_figures_and_the_stage_flag_that_bounds
     named (stage 04: --total-seq-len, which starts over). A full card's "0 bytes", a driver's 16-EiB non-figure, a
     container's PID namespace (no "this process") and CUDA_VISIBLE_DEVICES' renumbering each read right."""
     import torch
-    from eagle3pipe import errors, train_plan
-    from eagle3pipe.rows import Rows
+    from eagle3pipe.base import errors
+    from eagle3pipe.train import train_plan
+    from eagle3pipe.storage.rows import Rows
     monkeypatch.setattr(sys, "argv", ["04_train.py"])
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(errors, "MEMORY", {})
@@ -308,7 +310,7 @@ def test_an_interrupted_overwrite_run_is_told_to_resume_without_overwrite(monkey
 def test_inputs_must_be_regular_files_and_npy_headers_match_their_size(tmp_path):
     import numpy as np
     from numpy.lib import format as npy
-    from eagle3pipe import files
+    from eagle3pipe.storage import files
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(UsageError, match="is a FIFO, not a regular file"):
         files.read_json(str(tmp_path / "fifo"))  # would wait forever for a writer
@@ -324,7 +326,7 @@ def test_inputs_must_be_regular_files_and_npy_headers_match_their_size(tmp_path)
 def test_the_hub_probe_has_a_deadline_for_an_endpoint_that_never_answers(monkeypatch):
     import socket
     import time
-    from eagle3pipe import hub
+    from eagle3pipe.verifier import hub
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # accepts connections, never answers
@@ -344,7 +346,7 @@ def test_config_top_level_keys_apply_only_to_the_stages_that_take_them(tmp_path)
 
 
 def test_the_greedy_equality_line_explains_each_divergence():
-    from eagle3pipe.evaluation import explain
+    from eagle3pipe.evaluate.evaluation import explain
     assert explain([], 8) == "greedy outputs identical at batch size 1: 8/8"
     tie = {"prompt": 1, "position": 9, "without_draft": 5, "with_draft": 7, "verifier_top2": [5, 7], "margin": 0.12}
     clear = {"prompt": 3, "position": 2, "without_draft": 5, "with_draft": 9, "verifier_top2": [5, 7], "margin": 3.1}
@@ -355,7 +357,7 @@ def test_the_greedy_equality_line_explains_each_divergence():
 
 
 def test_serving_blocker_and_command(tmp_path):
-    from eagle3pipe import engine
+    from eagle3pipe.engines import engine
     assert engine.eagle3_blocker({"hidden_size": 8}, on_gpu=False) is None  # no MLA
     assert engine.eagle3_blocker({"kv_lora_rank": 512}, on_gpu=True) is None
     amx = " amx_tile" in open("/proc/cpuinfo").read()
@@ -368,7 +370,7 @@ def test_serving_blocker_and_command(tmp_path):
 def test_quantized_embedding_or_head_is_refused(tmp_path):
     import json
     import struct
-    from eagle3pipe import verifier
+    from eagle3pipe.verifier import verifier
 
     def shard(name, tensors):  # [2, 2] tensors whose offsets tile the file, as the format requires
         size = {"BF16": 2, "F16": 2, "I32": 4, "F8_E4M3": 1}
@@ -392,8 +394,8 @@ def test_quantized_embedding_or_head_is_refused(tmp_path):
 
 def test_memory_model_for_mla_and_moe_and_int4_weights(tmp_path):
     import json
-    from eagle3pipe.preflight import per_token_bytes
-    from eagle3pipe.verifier import weights_bytes
+    from eagle3pipe.extract.preflight import per_token_bytes
+    from eagle3pipe.verifier.verifier import weights_bytes
     kimi = {"num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 64, "kv_lora_rank": 512,
             "qk_rope_head_dim": 64, "intermediate_size": 18432, "moe_intermediate_size": 2048,
             "num_experts_per_tok": 8, "n_shared_experts": 1}
@@ -410,8 +412,9 @@ def test_memory_model_for_mla_and_moe_and_int4_weights(tmp_path):
 
 def test_a_stage02_manifest_that_contradicts_its_own_identity_is_refused(tmp_path):
     import json
-    from eagle3pipe import FORMAT_VERSION, files
-    from eagle3pipe.verifier import IDENTITY
+    from eagle3pipe import FORMAT_VERSION
+    from eagle3pipe.storage import files
+    from eagle3pipe.verifier.verifier import IDENTITY
     m = {"stage": "extract", "format_version": FORMAT_VERSION, "args": {}, "content_id": "c",
          "verifier": {k: None for k in IDENTITY}, "counts": {"rows": 3},
          "identity": {"prepared": "p", "layer_ids": [2, 15, 27, 30], "rows": 3}, "layer_ids": [2, 15, 27, 30]}
@@ -426,7 +429,7 @@ def test_a_stage02_manifest_that_contradicts_its_own_identity_is_refused(tmp_pat
 def test_an_engine_port_that_speaks_something_else_is_one_line():
     import socket
     import threading
-    from eagle3pipe import online_plan
+    from eagle3pipe.train import online_plan
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(4)
@@ -489,12 +492,12 @@ def test_a_save_cut_short_keeps_only_what_speculators_did_not_write(tmp_path, ca
     """A save a kill cut short: what the record proves ours goes, and so do the files under speculators' save names
     (checkpoints.SAVE_FILES) in the folder the stage made for that save alone; a person's file there is kept, the folder
     moved aside with it. A folder of speculators' files only simply goes."""
-    from eagle3pipe import checkpoints
+    from eagle3pipe.train import checkpoints
     d = tmp_path / "ck"
     _claim(d, "train")
     staged = outdir.make_dir(str(d / ".saving"))
     staged = outdir.make_dir(os.path.join(staged, "2"))
-    from eagle3pipe import files
+    from eagle3pipe.storage import files
     files.write_json(os.path.join(staged, "training_state.json"), {"epoch": 2})  # recorded: ours
     with open(os.path.join(staged, "model.safetensors"), "wb") as f:  # speculators' half-written file: in no record
         f.write(b"\0" * 100)
@@ -518,8 +521,8 @@ def test_only_an_engine_s_finished_files_are_cleared_from_a_spool(tmp_path):
     """A spool the stage made: the engine's files, told by their format, go; a person's file of the same suffix, a
     half-written one and anything else stay. A folder the stage did not make is never cleared."""
     import torch
-    from eagle3pipe import spool as engine_spool
-    from eagle3pipe.hidden_states import save
+    from eagle3pipe.formats import spool as engine_spool
+    from eagle3pipe.formats.hidden_states import save
     d = tmp_path / "out"
     _claim(d, "train")
     spool = outdir.make_dir(str(d / ".online"))
@@ -592,10 +595,10 @@ def test_reading_the_record_reserves_what_it_holds_not_a_gib(tmp_path):
     import subprocess
     d = tmp_path / "out"
     _claim(d)
-    from eagle3pipe import files
+    from eagle3pipe.storage import files
     files.write_json(str(d / "a.json"), {"x": 1})
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (400 << 20, 400 << 20)); "
-            "from eagle3pipe import ledger; led = ledger.Ledger.load(sys.argv[1]); led.offset = 0; led.refresh(); "
+            "from eagle3pipe.storage import ledger; led = ledger.Ledger.load(sys.argv[1]); led.offset = 0; led.refresh(); "
             "print(led.owns('a.json'))")
     p = subprocess.run([sys.executable, "-c", code, str(d)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == "True", p.stderr[-2000:]
@@ -604,7 +607,8 @@ def test_reading_the_record_reserves_what_it_holds_not_a_gib(tmp_path):
 def test_a_checkpoint_missing_a_file_the_stage_wrote_is_named_before_a_resume(tmp_path):
     """Speculators resumes from the newest epoch folder and fails on a missing file only after the model and the data
     have loaded: the file is named first, with the checkpoint to move away (two real trainings: tests/slow)."""
-    from eagle3pipe import checkpoints, files
+    from eagle3pipe.train import checkpoints
+    from eagle3pipe.storage import files
     out = tmp_path / "draft"
     _claim(out, stage="train")
     outdir.make_dir(str(out / "0"))
@@ -634,7 +638,7 @@ def _verifier(folder, seed=0):
 
 def test_weights_identify_a_verifier_beside_shapes_and_tokenizer(tmp_path):
     import shutil
-    from eagle3pipe import verifier
+    from eagle3pipe.verifier import verifier
     a = _verifier(tmp_path / "a")
     shutil.copytree(a, tmp_path / "copy")
     b = tmp_path / "b"
@@ -654,7 +658,7 @@ def test_weights_identify_a_verifier_beside_shapes_and_tokenizer(tmp_path):
 @pytest.mark.parametrize("ids", [[1, 2683.5], [1, True], [1, -1], [1, 49152], []])
 def test_stage01_rows_are_integers_inside_the_vocabulary(tmp_path, ids):
     import json
-    from eagle3pipe.rows import read_rows
+    from eagle3pipe.storage.rows import read_rows
     (tmp_path / "tokenized_data.jsonl").write_text(json.dumps({"input_ids": ids, "loss_mask": [0] * len(ids)}) + "\n")
     with pytest.raises(UsageError, match="tokenized_data.jsonl:1: malformed row"):
         read_rows(str(tmp_path), 1, vocab_size=49152)
@@ -664,7 +668,7 @@ def test_stage01_rows_longer_or_shorter_than_their_manifest_says_are_refused(tmp
     """Stage 02 checks --max-seq-len and plans memory by the manifest's longest row: a hand edit of either side
     (a row lengthened, the count lowered) ran rows past --max-seq-len with exit 0."""
     import json
-    from eagle3pipe.rows import read_rows
+    from eagle3pipe.storage.rows import read_rows
     rows = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     (tmp_path / "tokenized_data.jsonl").write_text("".join(json.dumps({"input_ids": r, "loss_mask": [1] * len(r)})
                                                            + "\n" for r in rows))
@@ -676,7 +680,7 @@ def test_stage01_rows_longer_or_shorter_than_their_manifest_says_are_refused(tmp
 
 
 def test_the_validation_split_leaves_rows_on_both_sides():
-    from eagle3pipe import train_data
+    from eagle3pipe.train import train_data
     train_data.check_split(24, 0.05)
     for rows, ratio in ((6, 0.99), (1, 0.5), (100, 1e-17)):
         with pytest.raises(UsageError, match=f"--val-ratio {ratio}: of {rows} rows"):
@@ -696,7 +700,8 @@ def test_an_engine_spool_is_never_a_stage_s_folder_or_inside_this_run_s(tmp_path
     import http.server
     import json
     import threading
-    from eagle3pipe import online_plan, verifier
+    from eagle3pipe.train import online_plan
+    from eagle3pipe.verifier import verifier
 
     class Models(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -734,10 +739,11 @@ def test_checkpoint_best_follows_the_expected_acceptance_not_the_loss(tmp_path):
     """Late in training the loss can keep falling while acceptance falls: epoch 1 has the lower loss, epoch 0 the
     higher acceptance (1 + a1 + a1*a2 + ...), and checkpoint_best stays on epoch 0, through the stage's trainer."""
     from speculators.train.checkpointer import SingleGPUCheckpointer
-    from eagle3pipe import acceptance, checkpoints, training
+    from eagle3pipe.measures import acceptance
+    from eagle3pipe.train import checkpoints, training
     d = tmp_path / "ck"
     _claim(d, "train")
-    from eagle3pipe import files
+    from eagle3pipe.storage import files
     for e in ("0", "1", "2"):
         outdir.make_dir(str(d / e))
         if e != "2":  # epoch 2 saved no checkpoint: it cannot become best
@@ -768,7 +774,7 @@ def test_a_replica_that_found_no_record_reads_the_one_another_replica_made(tmp_p
     import sys
     d = tmp_path / "out"
     d.mkdir()
-    other = ("import sys; from eagle3pipe import outdir, files; outdir.claim('--output-dir', sys.argv[1], 'extract', "
+    other = ("import sys; from eagle3pipe.storage import outdir, files; outdir.claim('--output-dir', sys.argv[1], 'extract', "
              "shard=(1, 2)); files.write_json(sys.argv[1] + '/b.json', {'x': 1})")
     load = outdir.Ledger.load
 
@@ -789,8 +795,9 @@ def test_a_measure_that_fails_leaves_checkpoint_best_to_the_estimate(tmp_path, c
     again at later epochs."""
     import json
     from speculators.train.checkpointer import SingleGPUCheckpointer
-    from eagle3pipe import files, training
-    from eagle3pipe.validation_measure import Measure
+    from eagle3pipe.storage import files
+    from eagle3pipe.train import training
+    from eagle3pipe.train.validation_measure import Measure
     d = tmp_path / "ck"
     _claim(d, "train")
     for e in ("0", "1"):
@@ -818,7 +825,7 @@ def test_prompts_that_leave_no_room_for_an_answer_are_refused_by_their_tokens():
     """Stage 05's max_model_len from the longest prompt's tokens: a prompt the verifier's positions cannot answer at
     all names its record; one that --max-new-tokens pushes past them names that flag and the most it can be."""
     from types import SimpleNamespace
-    from eagle3pipe import draft_check
+    from eagle3pipe.measures import draft_check
     args = SimpleNamespace(num_speculative_tokens=3, max_new_tokens=100, prompts="p.jsonl")
     assert draft_check.max_model_len(1000, args, 8192, "p.jsonl:1") == 1000 + 100 + 3 + 8
     assert draft_check.max_model_len(8085, args, 8192, "p.jsonl:1") == 8192  # never past the verifier's own

@@ -9,7 +9,7 @@ import pytest
 
 def _sample(folder, i, ids, n_states=4, hidden=8):
     import torch
-    from eagle3pipe.hidden_states import hs_path, save
+    from eagle3pipe.formats.hidden_states import hs_path, save
     path = os.path.join(folder, f"gen-{i}.safetensors")
     save(path, {"hidden_states": torch.randn(len(ids), n_states, hidden).to(torch.bfloat16),
                 "token_ids": torch.as_tensor(ids, dtype=torch.int64)})
@@ -17,7 +17,8 @@ def _sample(folder, i, ids, n_states=4, hidden=8):
 
 
 def test_cache_keeps_to_its_budget_recounts_and_regenerates_corrupt_files(tmp_path):
-    from eagle3pipe import outdir, sample_cache
+    from eagle3pipe.storage import outdir
+    from eagle3pipe.train import sample_cache
     out = tmp_path / "out"
     outdir.claim("--output-dir", str(out), "train")
     cache, spool = out / "cache", out / "spool"
@@ -66,8 +67,8 @@ def np_int(x):
 
 
 def test_gpu_split_between_engine_and_training():
-    from eagle3pipe.cli import UsageError
-    from eagle3pipe.online_plan import split_gpus
+    from eagle3pipe.config.cli import UsageError
+    from eagle3pipe.train.online_plan import split_gpus
     assert split_gpus(None, 0) == ([], [])
     assert split_gpus(None, 1) == ([0], [0])  # one GPU: shared
     assert split_gpus(None, 2) == ([0], [1])

@@ -1,10 +1,11 @@
-"""How many worker processes stage 01 renders and tokenizes with (eagle3pipe/tokenize_workers.py; 0: the stage's own
+"""How many worker processes stage 01 renders and tokenizes with (eagle3pipe/chat/tokenize_workers.py; 0: the stage's own
 process): the flag where given, else one for a small job (a process the stage can kill), none after --regenerate,
 else the cores up to a cap. The rows they make: C/test_prepare_vocab.py;
 their ends: R/test_stage01_workers.py."""
 import os
 
-from eagle3pipe import devices, tokenize_workers as tw
+from eagle3pipe.base import devices
+from eagle3pipe.chat import tokenize_workers as tw
 
 
 def test_the_worker_count_follows_the_flag_the_job_and_the_cores():

@@ -6,8 +6,10 @@ import os
 import pytest
 
 from conftest import load_script
-from eagle3pipe import compute, files, input_watch, train_data, train_plan
-from eagle3pipe.errors import RunError, UsageError
+from eagle3pipe.base import compute
+from eagle3pipe.storage import files, input_watch
+from eagle3pipe.train import train_data, train_plan
+from eagle3pipe.base.errors import RunError, UsageError
 
 SMOL = {"hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
 

@@ -1,7 +1,7 @@
 """Which verifier architectures the installed vLLM runs EAGLE-3 for, read from its source (vllm_support.py). The
 answers were compared once with vLLM's own runtime check (`supports_eagle3` of each registered class that loads on
 this machine): 223 decided alike, none apart; 68 the source alone cannot decide are never refused."""
-from eagle3pipe import vllm_support
+from eagle3pipe.verifier import vllm_support
 
 
 def test_the_installed_vllm_s_answers_for_the_families_users_bring():

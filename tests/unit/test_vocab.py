@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from eagle3pipe.cli import UsageError
-from eagle3pipe.vocab import build_mapping
+from eagle3pipe.config.cli import UsageError
+from eagle3pipe.prepare.vocab import build_mapping
 
 
 

@@ -5,7 +5,7 @@ dropout, or one FSDP shards, is validated speculators' way. (Stage 04's workers 
 leaving nothing behind when it is killed: tests/reliability/test_lifeline.py.)"""
 import torch
 
-from eagle3pipe import warm_start
+from eagle3pipe.train import warm_start
 
 
 class Draft(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""A checkpoint's safetensors headers and index, read as the format defines them (eagle3pipe/weight_files.py), for
+"""A checkpoint's safetensors headers and index, read as the format defines them (eagle3pipe/verifier/weight_files.py), for
 verifiers through quantization.tensor_table: every malformed header or index is one line naming --model-path and the
 file, never a library's traceback. The files are written byte by byte here: no torch, no model."""
 import json
@@ -7,8 +7,8 @@ import struct
 
 import pytest
 
-from eagle3pipe import quantization
-from eagle3pipe.errors import UsageError
+from eagle3pipe.verifier import quantization
+from eagle3pipe.base.errors import UsageError
 
 
 def _file(path, entries, data=None, raw_header=None):
@@ -114,7 +114,7 @@ def test_without_an_index_every_file_is_read_as_vllm_loads_a_folder(tmp_path):
 def test_a_kept_definition_that_does_not_read_as_one_is_made_again(tmp_path, monkeypatch):
     """verifier_weights keeps each verifier's definition as JSON in the user's cache; a file there that is not one
     (cut, edited, another version's) is ignored, never trusted, and written anew."""
-    from eagle3pipe import verifier_weights as vw
+    from eagle3pipe.verifier import verifier_weights as vw
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     d = vw.Definition("LlamaForCausalLM", {"model.norm.weight": ([8], True)}, frozenset(), (), (), "model",
                       "model.embed_tokens.weight")

@@ -1,0 +1,2 @@
+"""Flags and settings: argparse with YAML defaults, where each setting came from, each stage's frozen settings
+record."""

@@ -1,0 +1,74 @@
+"""The two ways the pipeline runs the verifier for its hidden states, as objects: the facts the preflights, the
+writer and the online plan ask of each, and the server an --online run starts (the runtime classes are in
+backends.py), and the rules an engine is held to before anything loads (check_engine). The choice by name happens
+here alone (`kind`); a new backend is one class here, its runtime class, and one line in KINDS."""
+from ..verifier import quantization
+from ..base.errors import UsageError
+
+
+
+class VLLM:
+    name = "vllm"
+    module = "vllm"                  # what must be installed
+    tensor_parallel = True           # --tp-size / the engine's GPUs split every layer: TP must divide the heads
+    weights_split_evenly = True      # each GPU holds 1/TP of the weights
+    cpu_kv_cache_reserved = True     # vLLM-CPU reserves its KV cache up front (VLLM_CPU_KVCACHE_SPACE)
+    connector = True                 # states leave through vLLM's hidden-states connector (our CPU one on a CPU)
+    background_writer_on_cpu = True  # the connector's files are rewritten in the background, next to the engine
+    keeps_quantized = True           # quantized weights stay packed and run on vLLM's kernels for them
+    server = None                    # --online: vLLM's own OpenAI-compatible server (engine.server_module)
+
+
+class HF:
+    name = "hf"
+    module = "transformers"
+    tensor_parallel = False          # whole layers placed on the visible GPUs, one GPU at a time
+    weights_split_evenly = False     # the GPUs fill one after another
+    cpu_kv_cache_reserved = False
+    connector = False
+    background_writer_on_cpu = False
+    keeps_quantized = False          # transformers decompresses compressed-tensors int4 experts to bf16 as it loads
+    server = "eagle3pipe.engines.hf_server"  # --online: the same two API calls, answered with transformers
+
+
+KINDS = {k.name: k for k in (VLLM, HF)}
+
+
+def kind(name):
+    """The backend called `name` (settings restrict it to KINDS' names)."""
+    return KINDS[name]
+
+
+def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader, quant=None, architecture=None):
+    """The extraction engine's rules, the same for stage 02 and stage 04 --online, before anything loads: our CPU
+    connector adapts vLLM's (its private names must be in the installed vLLM), tensor parallel divides the heads
+    (the KV heads may also be fewer than TP and divide it: vLLM replicates them), and vLLM on a GPU does not compute
+    in float32 (its connector stores the states in the compute dtype; `reader` reads bf16). `tp_words`: how the
+    operator chose TP, for the error line; `kind`: engines.kind(--backend). `quant` (quantization.read): a quantized
+    verifier an engine that keeps it packed has no kernel for here is refused, naming why; so is an `architecture`
+    (config.json's) the installed vLLM hands no auxiliary states out for (vllm_support.py)."""
+    if quant and kind.keeps_quantized:
+        ok, why = quantization.kernel_here(quant, bool(gpus))
+        if not ok:
+            raise UsageError(f"--backend {kind.name}: the verifier is {quant.describe()}, and {why}; use --backend "
+                             f"hf (transformers decompresses them: {quant.dequantized_bytes / 2**30:.2f} GiB in bf16) "
+                             f"or a GPU machine")
+    why = None if kind.keeps_quantized else quantization.transformers_refusal(quant, bool(gpus), dtype)
+    if why:
+        raise UsageError(f"--backend {kind.name}, compute dtype {dtype}: {why}")
+    if not kind.connector:
+        return
+    from ..verifier.vllm_support import eagle3_refusal
+    why = eagle3_refusal(architecture)
+    if why:
+        raise UsageError(f"--backend {kind.name}: {why}; use --backend hf (transformers)")
+    if not gpus:
+        from ..adapters import check_private
+        check_private("vllm")
+    for what in ("num_attention_heads", "num_key_value_heads"):
+        h = text_cfg.get(what) if kind.tensor_parallel else None
+        if h and h % tp and not (what == "num_key_value_heads" and tp % h == 0):
+            raise UsageError(f"{tp_words}: must divide the verifier's {what} ({h})")
+    if gpus and dtype == "float32":
+        raise UsageError(f"--dtype float32: vLLM's hidden-states connector on GPU stores states in the compute dtype, "
+                         f"and {reader}; use --dtype auto (bf16 on GPUs) or --backend hf")
