@@ -19,8 +19,8 @@ stage 05), written in an order shuffled by --seed. Every assistant turn is train
 The output folder must be new, empty or an earlier stage 01 output: only this stage's own files are replaced.
 """
 from eagle3pipe.config import cli
-from eagle3pipe.storage import outdir
 from eagle3pipe.prepare import preparation, regenerate
+from eagle3pipe.storage import outdir
 
 def parse_args(argv=None):
     p = cli.Parser(description="Stage 01: tokenize chat data with assistant-only loss masks.")

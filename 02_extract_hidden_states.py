@@ -19,9 +19,9 @@ share it).
 """
 import os
 
+from eagle3pipe.base import faults
 from eagle3pipe.config import cli
 from eagle3pipe.engines import engines
-from eagle3pipe.base import faults
 from eagle3pipe.extract import preflight
 from eagle3pipe.extract.extract_output import finish, opened, prepare_output, record_compute_dtype
 from eagle3pipe.storage.rows import read_rows

@@ -20,11 +20,11 @@ Trainer run on CPU (eager loss, sdpa attention).
 import argparse
 import os
 
-from eagle3pipe.train import checkpoints, train_plan, validation_measure
-from eagle3pipe.config import cli
-from eagle3pipe.engines import engines
 from eagle3pipe.base import errors
-from eagle3pipe.drafts import mla_draft
+from eagle3pipe.config import cli
+from eagle3pipe.drafts import archs
+from eagle3pipe.engines import engines
+from eagle3pipe.train import checkpoints, train_plan, validation_measure
 
 
 def parse_args(argv=None):
@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps (= speculative tokens)")
     r = p.add_argument_group("the draft's recipe (speculators' own options; docs/STAGES.md, stage 04)")
-    r.add_argument("--draft-arch", choices=["auto", *mla_draft.ARCHS], default="auto",
+    r.add_argument("--draft-arch", choices=["auto", *archs.ARCHS], default="auto",
                    help="the draft's decoder layer: auto = the verifier's family (deepseek for MLA verifiers such as "
                         "DeepSeek-V3/Kimi, qwen3 for Qwen3), else llama; deepseek: MLA attention like the verifier's")
     r.add_argument("--norm-before-fc", action=argparse.BooleanOptionalAction, default=None,

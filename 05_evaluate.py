@@ -21,10 +21,10 @@ without a draft, so equality is only meaningful one prompt at a time.
 """
 import os
 
-from eagle3pipe.config import cli
 from eagle3pipe.base import errors
-from eagle3pipe.evaluate import eval_plan
 from eagle3pipe.chat import heldout
+from eagle3pipe.config import cli
+from eagle3pipe.evaluate import eval_plan
 from eagle3pipe.storage import outdir
 
 ENGINE_LOG = "engine.log"

@@ -51,14 +51,20 @@ Why each one exists:
   kernel: there it is right, and the pure-torch rope costs 7 % of a prefill (docs/BENCHMARKS.md).
 """
 import contextlib
+import copy
 import importlib.metadata
 import inspect
 import logging
 import os
 import re
+import shutil
+import sys
+import tempfile
 
 from .base import devices
 from .base.errors import RunError, UsageError
+from .storage import outdir
+from .storage.files import atomic_path
 
 log = logging.getLogger("eagle3pipe")
 
@@ -232,7 +238,6 @@ def check_private(library):
 def interrupted(exc):
     """Whether `exc` is speculators' stop (its signal handler's TrainingInterruptedError), which a broad `except`
     must re-raise. Never imports speculators: where its module is not loaded, nothing raised it."""
-    import sys
     mod = sys.modules.get("speculators.train.graceful_shutdown")
     return mod is not None and isinstance(exc, getattr(mod, "TrainingInterruptedError", ()))
 
@@ -381,10 +386,6 @@ def recorded_artifacts(config_class):
     place, through any link; train_command.txt and speculators.patch by its own unrecorded temporaries): here each
     is written in a private scratch folder and installed by rename (outdir.install: recorded before the rename, only
     where nothing or our own file stands), so a kill at any instant leaves only files the record proves ours."""
-    import shutil
-    import tempfile
-    from .storage import outdir
-    from .storage.files import atomic_path
     from speculators.train.config.artifacts import dump_yaml
     from speculators.train.utils import save_train_command
 
@@ -494,7 +495,6 @@ def draft_layer(model_type, components):
 def own_verifier_norm(model, norm):
     """The verifier's own final norm in place of speculators' `verifier_norm` on the draft `model` (a DDP wrapper's
     module too), on its device and dtype, frozen (the docstring above: target_check.py decided it)."""
-    import copy
     inner = getattr(model, "module", model)
     old = inner.verifier_norm
     mine = copy.deepcopy(norm).to(device=old.weight.device, dtype=old.weight.dtype)

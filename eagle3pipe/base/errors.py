@@ -1,6 +1,12 @@
 """The two failures a stage reports as one line, and how a line is kept one line. Imports nothing of the package,
 so every module can raise them (cli.run prints them: UsageError exit 2, RunError exit 1)."""
 
+import os
+import re
+import sys
+
+from . import devices
+
 
 RERUN = None  # a stage that does not resume says what its rerun does instead (stage 05)
 MEMORY = {}  # what else an out-of-memory line advises, by what ran out ("gpu", "host"): stage 04's --total-seq-len
@@ -9,7 +15,6 @@ MEMORY = {}  # what else an out-of-memory line advises, by what ran out ("gpu", 
 def resume_hint():
     """How an interrupted stage resumes: the same command, less --overwrite (with it, the rerun would delete what the
     stopped run made and start over)."""
-    import sys
     if RERUN:
         return RERUN
     return "rerun the same command" + (" without --overwrite" if "--overwrite" in sys.argv[1:] else "") + " to resume"
@@ -38,7 +43,6 @@ def oneline(text):
 
 def quote(path):
     """A name for a one-line message: control characters and undecodable bytes escaped."""
-    import os
     return oneline(os.fsdecode(path) if isinstance(path, bytes) else path)
 
 
@@ -55,8 +59,6 @@ def gpu_out_of_memory(text, visible=None):
     was asked for, what was free of what, what this process and the others held. `visible`: CUDA_VISIBLE_DEVICES
     (torch's GPU numbers count only those; nvidia-smi's are the machine's). Another wording: its first 200
     characters."""
-    import re
-    from . import devices
     t = " ".join(str(text).split())
     asked = re.search(r"Tried to allocate " + _SIZE, t)
     card = re.search(r"GPU (\d+) has a total capacity of " + _SIZE + r" of which " + _SIZE + r" is free", t)
@@ -84,6 +86,5 @@ def gpu_out_of_memory(text, visible=None):
 
 def host_out_of_memory(text):
     """An allocation the machine's RAM refused: torch's CPU allocator says how much it asked for."""
-    import re
     asked = re.search(r"tried to allocate (\d+) bytes", str(text))
     return f"out of memory{f' (RAM: asked for {int(asked[1]) / 2**30:.2f} GiB)' if asked else ''}"

@@ -6,6 +6,7 @@ in the environment:
 A descriptor is used only if it is what the variable says (its device and inode), so a variable that leaked into
 another process's environment does nothing there. Imports nothing of the package (outdir.py imports this).
 """
+import fcntl
 import os
 import stat
 
@@ -49,7 +50,6 @@ def lock_for(fd, mode):
     variable naming a descriptor of the right file that holds no lock (set by hand, with another run holding the
     folder) is refused by the other run's lock, not trusted. `mode` must be the one the launcher took (both come from
     locks.lock_names): flock on an open file that holds the other mode converts it, for the launcher too."""
-    import fcntl
     st = os.fstat(fd)
     for held in _locks:
         h = os.fstat(held)

@@ -16,9 +16,11 @@ no working folder and none of the stage's files open (its lock included). It:
 - then sends SIGTERM to each of them (and to the process group of each group leader among them), SIGKILL to what
   is left after `GRACE` seconds, and exits.
 """
+import ctypes
 import os
 import select
 import signal
+import subprocess
 import sys
 import time
 
@@ -50,7 +52,6 @@ def start():
     """Start this process's watchdog, once per process (a forked child that calls this gets its own). From here on
     every process this one starts carries its token, and dies with it. Call it from the main thread, before any
     engine or server starts."""
-    import subprocess
     pid = os.getpid()
     tok = token(pid)
     if pid in _started or tok is None:
@@ -74,7 +75,6 @@ def parent_death_signal(sig, parent=None):
     already: `sig` now. For a process forked (not exec'd) by a stage's main thread, which the watchdog alone can
     miss: its /proc environment lacks the token, so one forked and orphaned between two scans is never found."""
     try:
-        import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass

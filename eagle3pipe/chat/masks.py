@@ -25,7 +25,7 @@ import json
 import os
 import weakref
 
-from ..base.deadlines import TemplateTimeout, template_seconds, time_budget
+from ..base.deadlines import TemplateTimeout, template_seconds, time_budget, call, hub_seconds
 from ..base.errors import UsageError
 
 
@@ -90,7 +90,6 @@ def _budgeted(tok, fn, *args, **kwargs):
 
 def load_tokenizer(model_path, trust_remote_code=False):
     from transformers import AutoTokenizer
-    from ..base.deadlines import call, hub_seconds
     try:
         if os.path.isdir(model_path):
             tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -317,10 +316,11 @@ def _check_calls_rendered(tok, messages, i, tools):
         return
     try:
         before = render(tok, messages[:i] + [_turn_with_calls(messages[i], 0)], False, tools)
-        for k, call in enumerate(calls, 1):
+        for k, tool_call in enumerate(calls, 1):
             now = render(tok, messages[:i] + [_turn_with_calls(messages[i], k)], False, tools)
             if now == before:
-                raise ToolCallsNotRendered(f"message {i}'s call to {call['function']['name']!r} is not in its render")
+                raise ToolCallsNotRendered(f"message {i}'s call to {tool_call['function']['name']!r} is not in its "
+                                           f"render")
             before = now
     except ToolCallsNotRendered:
         raise

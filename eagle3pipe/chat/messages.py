@@ -8,8 +8,8 @@ role, a malformed call, text that is not valid Unicode) is a UsageError naming w
 """
 import json
 
-from .conversations import ArrowRecord, first_words
 from ..base.errors import UsageError
+from .conversations import ArrowRecord, first_words
 
 ROLES = {
     "human": "user", "user": "user",

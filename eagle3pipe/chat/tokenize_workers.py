@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 
+from . import masks
 from ..base import deadlines, devices, faults, lifeline
 from ..base.errors import RunError, UsageError
 
@@ -50,7 +51,6 @@ def outcome(tok, messages, max_seq_len, tools):
     """One conversation -> ("ok", ids, mask, meta) or (kind, message) for a conversation that cannot train:
     "slow" (a template past its time budget), "panic" (the tokenizer's Rust code panicked), "dropped" (a tool call
     the template does not render), "error" (the template refused it). Plain tuples: they cross a process boundary."""
-    from . import masks
     try:
         ids, mask, meta = masks.tokenize_conversation(tok, messages, max_seq_len, tools)
     except masks.TemplateTooSlow as e:
@@ -164,7 +164,6 @@ def _record(tok, max_seq_len, record):
 def outcomes(records, tok, max_seq_len, workers):
     """Each record's outcome(), in the records' order, computed by `workers` processes (0: this one)."""
     def slow(i, seconds):
-        from . import masks
         return UsageError(f"record {records[i][0]}: {masks.too_slow(tok, seconds)}")
     return mapped(records, functools.partial(_record, tok, max_seq_len), workers, slow)
 

@@ -13,15 +13,25 @@ Nothing here imports torch.
 import argparse
 import difflib
 import errno
+import importlib.util
 import logging
 import os
 import re
+import reprlib
 import signal
 import sys
+import traceback
 import typing
 
-from ..base import errors
+from ..base import errors, inherited
 from ..base.errors import RunError, UsageError, oneline, resume_hint  # noqa: F401 (the scripts' and tests' names for them)
+from .. import REPO
+from ..base.compute import CHOICES
+from ..base.deadlines import check_environment
+from ..base.inherited import check
+from ..engines.engine_log import root_cause
+from .flag_sources import explicit, refuse_contradictions
+from .settings import OUTPUT_KEY, RECORDS, STAGES, _check_type, config_keys, kind, on_off_keys, path_fields
 
 
 # errno -> what the operator does about it; the errors of a path they gave exit 2, the machine's state exits 1
@@ -49,7 +59,6 @@ def describe(e, advice=True):
     text = str(e)
     if "Traceback (most recent call last)" in text:  # a child's (a data-loader worker's) traceback re-raised here:
         # the cause it names, not the wrappers around it
-        from ..engines.engine_log import root_cause
         cause = root_cause(text.splitlines()) or [line for line in text.splitlines() if line.strip()][-1]
         text = re.sub(r"^[\w.]+: ", "", cause)
     if isinstance(e, UsageError):
@@ -86,7 +95,6 @@ def run(main, exit_now=False):
     traceback first. `exit_now`: once main() has returned (its files written, its lock no longer needed), leave
     without waiting for the interpreter's shutdown, which in stage 04 waits minutes on data-loader and compile
     worker processes and their semaphores."""
-    from ..base import inherited
     inherited.guard()  # before anything opens a file: a closed fd 1 would otherwise become the lock or the record
     _stop_on_signals()
     try:
@@ -100,7 +108,6 @@ def run(main, exit_now=False):
         raise
     except BaseException as e:  # noqa: BLE001 - the one place every failure becomes one line
         if os.environ.get("EAGLE3_DEBUG"):
-            import traceback
             traceback.print_exc()
         if isinstance(e, UsageError) and _CONFIGURED:  # a later check's refusal of a value only the config gave
             e = _named_by_config(e, *_CONFIGURED)
@@ -144,7 +151,6 @@ def _stop_on_signals():
 
 def add_dtype_flag(parser, what="the model"):
     """`--dtype`, the same in every stage that runs a model (eagle3pipe/base/compute.py chooses for auto)."""
-    from ..base.compute import CHOICES
     parser.add_argument("--dtype", choices=list(CHOICES), default="auto",
                         help=f"what {what} computes in: auto = bf16 on GPUs and on CPUs with native bf16 (avx512_bf16, "
                              f"amx_bf16, Arm bf16), float32 on other CPUs, where bf16 is emulated 3-4x slower; "
@@ -211,8 +217,6 @@ class Parser(argparse.ArgumentParser):
 def load_script(name):
     """A numbered script of this repository (e.g. "04_train.py") imported as a module, for its parse_args, without
     running its main()."""
-    import importlib.util
-    from .. import REPO
     spec = importlib.util.spec_from_file_location("stage" + name.split("_")[0], os.path.join(REPO, name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -288,7 +292,6 @@ def load_config(path, section, own=None, origin=None):
     alone: its section's, and top-level keys no other stage takes; `origin`, a dict, each field's key as the file
     spells it ('train.lr', or 'lr' at the top level), for messages."""
     import yaml
-    from .settings import STAGES, config_keys, kind, on_off_keys
 
     if not os.path.exists(path):
         raise UsageError(f"--config {path}: file not found")
@@ -342,12 +345,10 @@ def load_config(path, section, own=None, origin=None):
 
 
 def _check_key(path, key, value, allowed, where, kind):
-    from .settings import _check_type
     if key not in allowed:
         hint = difflib.get_close_matches(str(key), [str(k) for k in allowed], n=1)
         stage = f" (stage {where[:-1]} does not take it)" if where else ""
         if key == "output_dir":  # a run-only flag: in a config, a stage's output folder is its product's key
-            from .settings import OUTPUT_KEY
             if where:
                 hint = [OUTPUT_KEY[where[:-1]]]
             else:
@@ -357,7 +358,6 @@ def _check_key(path, key, value, allowed, where, kind):
                          + (f"; did you mean '{hint[0]}'?" if hint else ""))
     if value is None:
         return
-    from .settings import path_fields
     if allowed[key][0] in path_fields() and isinstance(value, str) and not value.strip():
         raise UsageError(f"--config {path}: key '{where}{key}' is empty; give a value, or leave the key out")
     if isinstance(value, (list, tuple)) and not value:  # an empty list would read as "not given": the default
@@ -367,14 +367,12 @@ def _check_key(path, key, value, allowed, where, kind):
     try:
         _check_type(key, value, hint_type)
     except UsageError:
-        import reprlib
         raise UsageError(f"--config {path}: key '{where}{key}' must be {kind(hint_type)}, got {reprlib.repr(value)}")
 
 
 def parse_args(parser, section, argv=None, required=(), derive=None):
     """Parse flags with `--config` defaults, then build the stage's frozen, validated record (settings.py).
     `required` dests must come from a flag or the config; `derive(namespace)` fills defaults that depend on others."""
-    from .settings import RECORDS
     parser.add_argument("--config", help="YAML file giving defaults (explicit flags win)")
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
@@ -392,7 +390,6 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
             raise UsageError(f"missing {flag} (give the flag, or '{dest}' in --config)")
     if derive:
         derive(args)
-    from .flag_sources import explicit, refuse_contradictions
     given = explicit(parser, sys.argv[1:] if argv is None else argv)
     from_config = set(configured) - set(given)
     try:
@@ -401,8 +398,6 @@ def parse_args(parser, section, argv=None, required=(), derive=None):
         raise _named_by_config(e, from_config, known.config, origin) from None
     global _CONFIGURED
     _CONFIGURED = (from_config, known.config, origin) if known.config is not None else None
-    from ..base.deadlines import check_environment
-    from ..base.inherited import check
     check_environment()
     check()
     refuse_contradictions(section, record, given, from_config, known.config, own - set(given), origin)

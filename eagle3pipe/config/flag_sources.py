@@ -10,8 +10,11 @@ explicit flag that voids it for this stage wins, as flags win over a config (the
 stage 02's output, beside `04_train.py --online`; the Kimi config's `tp_size` and `gpu_memory_utilization`, stage
 05's too, beside stage 02's `--backend hf`). Between two keys of one config it is accepted.
 """
-from ..engines import engines
+import os
+
 from ..base.errors import UsageError
+from ..chat.conversations import SHAREGPT
+from ..engines import engines
 
 # stage -> [(setting, matters(record) -> bool, the settings that decide it, why it is ignored)]
 IGNORED_UNLESS = {
@@ -46,8 +49,6 @@ IGNORED_UNLESS = {
 
 
 def _hub_dataset(dataset):
-    import os
-    from ..chat.conversations import SHAREGPT
     return dataset != SHAREGPT and not os.path.exists(dataset)
 
 

@@ -7,15 +7,16 @@ that every flag of a script is a field of its record. The same fields are the ke
 its top level (any stage's key: each stage takes its own) or in a stage's section (that stage's keys only).
 """
 import dataclasses
+import json
 import math
 import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..engines import engines
-from ..base.errors import UsageError
 from ..base.compute import CHOICES as DTYPES
-from ..drafts.mla_draft import ARCHS
+from ..base.errors import UsageError
+from ..drafts.archs import ARCHS
+from ..engines import engines
 
 STAGES = ("prepare", "extract", "vocab", "train", "evaluate")
 # the config key that names a stage's output folder (it is also the later stages' input flag)
@@ -149,6 +150,12 @@ class Extract(Record):
     dry_run: bool = rule()
     overwrite: bool = rule()
 
+    @property
+    def tokens_per_batch(self):
+        """The most tokens one forward step takes: --max-tokens-per-batch, or a full batch of the longest rows. The
+        preflight sizes memory by it and the vLLM engine is started with it (one formula for both)."""
+        return self.max_tokens_per_batch or self.batch_size * self.max_seq_len
+
     def check(self):
         if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < self.max_seq_len:
             raise UsageError(f"--max-tokens-per-batch {self.max_tokens_per_batch}: must be at least --max-seq-len "
@@ -228,7 +235,6 @@ class Train(Record):
 
     def check_loss(self):
         """--loss-fn: one of LOSSES, or a JSON object of them with positive weights ('{"ce": 0.1, "tv": 0.9}')."""
-        import json
         if self.loss_fn in self.LOSSES:
             return
         def once(pairs):  # '{"ce": 0.1, "ce": 0.9}' would keep the last weight in silence

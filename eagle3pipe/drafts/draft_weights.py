@@ -12,9 +12,11 @@ import re
 import sys
 from array import array
 
-from ..verifier import weight_files
 from ..base.errors import UsageError
+from ..storage.files import open_input, read_json
+from ..verifier import weight_files
 from ..verifier.weight_files import ST_BYTES, Bad
+from .mla_draft import SERVED
 
 MAX_HEADER = 8 * 2**20  # a draft's header is a few KB a layer; past this it is not a draft's
 FLOATS = ("BF16", "F16", "F32")
@@ -109,7 +111,6 @@ def check_tensors(tensors, cfg, summary, text_cfg, shown="model.safetensors"):
 
 def _read(tensor):
     dtype, shape, offset, path, _ = tensor
-    from ..storage.files import open_input
     with open_input(path, "rb") as fh:
         fh.seek(offset)
         return fh.read(math.prod(shape) * ST_BYTES[dtype])
@@ -148,8 +149,6 @@ def check(draft, cfg, summary, text_cfg):
 
 
 def _check_served(draft, tensors, cfg, summary, text_cfg):
-    from ..storage.files import read_json
-    from .mla_draft import SERVED
     served = os.path.join(draft, SERVED)
     try:
         scfg = read_json(os.path.join(served, "config.json"))

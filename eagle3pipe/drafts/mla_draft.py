@@ -16,7 +16,9 @@ latent attention and a dense MLP, for DeepSeek-V3 / Kimi verifiers, served by vL
 """
 import json
 import os
-from dataclasses import dataclass
+
+from ..adapters import draft_layer
+from ..storage import files, outdir
 
 MODEL_TYPE = "deepseek_v3"  # the draft layer config's model_type: transformers' DeepseekV3Config
 SERVED = "vllm"  # <checkpoint>/vllm: what vLLM loads
@@ -24,25 +26,6 @@ SERVED = "vllm"  # <checkpoint>/vllm: what vLLM loads
 KEYS = ("hidden_size", "num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
         "v_head_dim", "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
         "initializer_range", "vocab_size")
-
-
-@dataclass(frozen=True)
-class DraftArch:
-    """A draft decoder layer `--draft-arch` names (the recipe's `draft_arch`). `mla`: this module's layer, built from
-    a layer config written before training (speculators' `draft_config`), with no norm before the FC layer (vLLM's
-    MLA draft has the per-state fc_norm instead) and served through `vllm/`; the others are speculators' own layers,
-    named to it as `draft_arch`."""
-    name: str
-    mla: bool = False
-
-
-MLA_ARCH = DraftArch("deepseek", mla=True)
-ARCHS = {a.name: a for a in (DraftArch("llama"), DraftArch("qwen3"), MLA_ARCH)}
-
-
-def arch_of(recipe):
-    """The recipe's draft layer (a stage 04 recipe or manifest's `recipe`). -> DraftArch"""
-    return ARCHS[recipe["draft_arch"]]
 
 
 def is_mla(text_cfg):
@@ -68,6 +51,13 @@ def layer_config(text_cfg, num_layers):
                # (DeepSeek-V2-Lite) gives its draft one
                q_lora_rank=cfg.get("q_lora_rank") or min(1536, hidden))
     return cfg
+
+
+def misfit(text_cfg):
+    """Why this verifier cannot take the MLA draft, or None."""
+    if not is_mla(text_cfg):
+        return "the verifier has no MLA attention (no kv_lora_rank in its config)"
+    return refusal(text_cfg)
 
 
 def refusal(text_cfg):
@@ -131,7 +121,6 @@ def served_config(ckpt_cfg):
 def write_served(ckpt):
     """<ckpt>/vllm: the native config and a hard link to the checkpoint's weights (one copy on disk). Written through
     outdir (temporary name, rename, recorded). A speculators checkpoint of another layer gets nothing."""
-    from ..storage import files, outdir
     with open(os.path.join(ckpt, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     if (cfg.get("transformer_layer_config") or {}).get("model_type") != MODEL_TYPE:
@@ -158,5 +147,4 @@ def served_path(ckpt):
 
 def layer():
     """adapters.draft_layer for the MLA draft: its classes in speculators' map for the block."""
-    from ..adapters import draft_layer
     return draft_layer(MODEL_TYPE, components)

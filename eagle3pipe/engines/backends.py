@@ -12,6 +12,9 @@ layer before the final norm.
 import logging
 import os
 import threading
+from ..formats.hidden_states import Pending, SCALES, quantize_fp8
+from ..verifier.verifier_weights import check_loaded
+from .engine import connector_config, generate, make_llm
 
 log = logging.getLogger("eagle3")
 
@@ -31,7 +34,6 @@ class HFBackend:
         self.device = device or ("cuda" if cuda else "cpu")
         # several GPUs: layers spread over them; one: loaded straight onto it (not through host memory)
         spread = self.device == "cuda" and torch.cuda.device_count() > 1
-        from ..verifier.verifier_weights import check_loaded
         self.model, info = AutoModel.from_pretrained(model_path, dtype=getattr(torch, dtype),
                                                      trust_remote_code=trust_remote_code, output_loading_info=True,
                                                      device_map="auto" if spread else {"": self.device})
@@ -79,8 +81,6 @@ class HFBackend:
         batch's forward runs while this one's files are written. The buffer is requested at one size (the largest
         batch's, which comes first), so the pinned-memory cache hands back a freed one instead of pinning new memory
         for every batch."""
-        from ..formats.hidden_states import Pending
-        from ..formats.hidden_states import SCALES, quantize_fp8
         torch = self.torch
         t_max = max(len(ids) for _, ids in batch)
         ids = torch.zeros(len(batch), t_max, dtype=torch.long)
@@ -171,14 +171,12 @@ class VLLMBackend:
         if not on_gpu:
             import torch
             torch.set_num_threads(1)  # this process only validates and writes files: leave the cores to the engine
-        from .engine import connector_config, make_llm
         self.staging = staging  # the spool this stage made: the only place the engine's answers are used
-        budget = s.max_tokens_per_batch or s.batch_size * s.max_seq_len
         self.llm = make_llm(
             s.model_path, tp=s.tp_size, on_gpu=on_gpu, trust_remote_code=s.trust_remote_code, dtype=dtype,
             log_path=log_path,
             max_model_len=s.max_seq_len + 1,  # the prompt plus the one generated token
-            max_num_seqs=s.batch_size, max_num_batched_tokens=max(budget, s.max_seq_len + 1),
+            max_num_seqs=s.batch_size, max_num_batched_tokens=max(s.tokens_per_batch, s.max_seq_len + 1),
             gpu_memory_utilization=s.gpu_memory_utilization, enable_prefix_caching=False,
             speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
@@ -192,7 +190,6 @@ class VLLMBackend:
         continuous batching (2,303 vs 2,161 tok/s on 284 ShareGPT rows, bench/bench_extract_cpu.py)."""
         import numpy as np
 
-        from .engine import generate
         # Python ints: the engine's request encoder takes no numpy scalars (the rows are int32 views, rows.py)
         prompts = [{"prompt_token_ids": np.asarray(ids).tolist()} for _, ids in batch]
         outs = generate(self.llm, prompts, self.params, use_tqdm=False)

@@ -13,18 +13,28 @@
   online_engine.Server.start, which also gives stage 04's server a parent-death signal and its own session).
 """
 import contextlib
+import http.client
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
+import shlex
+import signal
+import sys
 import threading
 import time
 import urllib.request
 
-from ..base import devices, lifeline
 from ..adapters import VLLM_CPU_MLA_COMPILATION
-from .engine_log import engine_output, last_error
-from ..base.errors import RunError, UsageError
+from ..base import devices, lifeline
+from ..base.compute import has_amx
+from ..base.errors import RunError, UsageError, resume_hint
 from ..base.inherited import child_pythonpath, kv_cache_gib, last_words
+from ..drafts.mla_draft import is_mla, served_path
+from ..storage.files import read_json
+from ..verifier.verifier import model_files, text_config
+from .engine_log import engine_output, last_error, WRAPPER, root_cause
 
 log = logging.getLogger("eagle3")
 
@@ -72,13 +82,11 @@ def cpu_compilation(text_cfg):
     """vLLM's compilation settings on a CPU, beyond its own, for a verifier of this (text) config: the pure-torch rope
     for an MLA verifier, whose query vllm-cpu's rotary kernel rotates wrongly (adapters.VLLM_CPU_MLA_COMPILATION);
     None for the others."""
-    from ..drafts.mla_draft import is_mla
     return VLLM_CPU_MLA_COMPILATION if is_mla(text_cfg) else None
 
 
 def verifier_compilation(model_path):
     """cpu_compilation for the verifier at `model_path` (a folder or hub id the stage's preflight has checked)."""
-    from ..verifier.verifier import model_files, text_config
     return cpu_compilation(text_config(model_files(model_path)[0]))
 
 
@@ -86,8 +94,6 @@ def cpu_attention(model_path, dtype):
     """vLLM's attention settings on a CPU: on a CPU with AMX, vllm-cpu 0.32 serves MLA through its AMX backend, whose
     weight packing takes bf16 or narrower only ("expect weight to be bfloat16, float16, ..." when loading a float32
     MLA model); float32 MLA takes its reference CPU backend, which every CPU has. None elsewhere."""
-    from ..drafts.mla_draft import is_mla
-    from ..verifier.verifier import model_files, text_config
     if dtype == "float32" and is_mla(text_config(model_files(model_path)[0])):
         return {"backend": "CPU_MLA"}
     return None
@@ -125,8 +131,6 @@ def make_llm(model_path, *, tp, max_model_len, on_gpu, trust_remote_code, dtype,
 def _cpu_kv_cache(model_path, max_model_len, kw):
     """cpu_kv_cache_bytes for make_llm's engine: its verifier, vLLM's max_num_seqs (256 where not given: the cap) and
     the eagle3 draft its speculative_config names."""
-    from ..storage.files import read_json
-    from ..verifier.verifier import model_files, text_config
     spec = kw.get("speculative_config") or {}
     draft = None
     if spec.get("method") == "eagle3":
@@ -144,8 +148,6 @@ def _stopped_at_once(what, stderr=2):
     """A stop signal (Ctrl-C, TERM, HUP) while `what`: one line, and out at once with 128 + the signal. vLLM's start
     swallows the exception a handler raises: SIGTERM hung 10 minutes in its handshake, then failed as a timeout, and
     Ctrl-C went unseen. Nothing is half-done yet; the lifeline ends the engine's processes once this one is gone."""
-    import signal
-    from ..base.errors import resume_hint
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -166,7 +168,6 @@ def _stopped_at_once(what, stderr=2):
 def start_failure(e, log_path):
     """The one line for an engine that failed to start with `e`: the root cause its log names first (the processes
     that failed inside print it; `e` is often only their wrapper), then `e` unless it is a wrapper."""
-    from .engine_log import WRAPPER, root_cause
     cause = last_error(log_path)
     own = " ".join(str(e).split())[:200]
     own = f"{type(e).__name__}: {own}" if own else type(e).__name__
@@ -253,7 +254,6 @@ def connector_config(staging, on_gpu):
 def server_module():
     """The module that starts vLLM's OpenAI-compatible server (`vllm serve` fails under the vllm-cpu distribution's
     name; older vLLM has only the openai module)."""
-    import importlib.util
     new = "vllm.entrypoints.launchers.api_server.entry"
     try:
         return new if importlib.util.find_spec(new) else "vllm.entrypoints.openai.api_server"
@@ -262,7 +262,6 @@ def server_module():
 
 
 def _amx():
-    from ..base.compute import has_amx
     return has_amx()
 
 
@@ -291,10 +290,6 @@ def serve_command(model_path, draft, k, elsewhere=False, text_cfg=None):
     """The command that serves `draft` as an eagle3 speculator for `model_path` with the vLLM installed here (with
     `elsewhere`, with vLLM's GPU build). The vllm-cpu distribution's `vllm serve` fails on its own name (it looks up
     the package `vllm`): there the same OpenAI-compatible server starts from its module, with the CPU settings."""
-    import importlib.metadata
-    import shlex
-    import sys
-    from ..drafts.mla_draft import served_path
     spec = shlex.quote(json.dumps({"method": "eagle3", "model": served_path(draft), "num_speculative_tokens": k}))
     try:
         importlib.metadata.version("vllm")
@@ -313,7 +308,6 @@ def serve_command(model_path, draft, k, elsewhere=False, text_cfg=None):
 def get_json(url, timeout):
     """The JSON an HTTP endpoint answers; ValueError for anything that is not an HTTP answer with a JSON body (a port
     that speaks another protocol), OSError when nothing answers within `timeout`."""
-    import http.client
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return json.loads(r.read(1 << 20))

@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import time
+from ..storage import outdir
 
 # a process tag vLLM puts before each line of a child's output: "(EngineCore_DP0 pid=123) ", "(Worker_TP1 pid=9) "
 _TAG = re.compile(r"^\((?P<tag>[\w.\-]+(?: rank=\d+)? pid=\d+)\)\s?")
@@ -122,7 +123,6 @@ def last_error(log_path, tail=262144):
 def open_log(log_path):
     """A file descriptor appending to `log_path`, never through a link planted there (outdir.open_append); RunError
     (one line) if it cannot be opened."""
-    from ..storage import outdir
     return outdir.open_append(log_path, children_write=True)
 
 

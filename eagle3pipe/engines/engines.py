@@ -2,8 +2,10 @@
 writer and the online plan ask of each, and the server an --online run starts (the runtime classes are in
 backends.py), and the rules an engine is held to before anything loads (check_engine). The choice by name happens
 here alone (`kind`); a new backend is one class here, its runtime class, and one line in KINDS."""
-from ..verifier import quantization
+from ..adapters import check_private
 from ..base.errors import UsageError
+from ..verifier import quantization
+from ..verifier.vllm_support import eagle3_refusal
 
 
 
@@ -58,12 +60,10 @@ def check_engine(kind, tp, tp_words, text_cfg, gpus, dtype, reader, quant=None, 
         raise UsageError(f"--backend {kind.name}, compute dtype {dtype}: {why}")
     if not kind.connector:
         return
-    from ..verifier.vllm_support import eagle3_refusal
     why = eagle3_refusal(architecture)
     if why:
         raise UsageError(f"--backend {kind.name}: {why}; use --backend hf (transformers)")
     if not gpus:
-        from ..adapters import check_private
         check_private("vllm")
     for what in ("num_attention_heads", "num_key_value_heads"):
         h = text_cfg.get(what) if kind.tensor_parallel else None

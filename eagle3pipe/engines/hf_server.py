@@ -21,6 +21,8 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from ..formats.hidden_states import save
+from .backends import HFBackend
 
 log = logging.getLogger("eagle3.engine")
 
@@ -101,7 +103,6 @@ class Engine:
     @staticmethod
     def _write(p, ids, path, fut):
         import torch
-        from ..formats.hidden_states import save
         try:
             if p.event is not None:
                 p.event.synchronize()  # the device-to-host copy of this prompt's states is complete
@@ -160,7 +161,6 @@ def make_handler(engine, served_name):
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    from .backends import HFBackend
     layer_ids = [int(x) for x in args.layer_ids.split(",")]
     os.makedirs(args.spool, exist_ok=True)
     t0 = time.time()

@@ -4,6 +4,7 @@ on with a deadline, probed with one short request before training, watched while
 its process group. No engine outlives stage 04: the lifeline watchdog before it starts, a parent-death signal and
 its own session.
 """
+import ctypes
 import json
 import logging
 import os
@@ -14,14 +15,15 @@ import threading
 import time
 import urllib.request
 
-from ..base import devices, lifeline
 from . import engines
+from ..base import devices, lifeline
+from ..base.errors import RunError
+from ..base.inherited import child_pythonpath
+from ..formats.hidden_states import read_header
+from ..formats.spool import remove_spool_file, wait_for_engine_file
 from ..storage import outdir
 from .engine import connector_config, cpu_vllm_env, get_json, server_module, verifier_compilation
 from .engine_log import last_error, open_log
-from ..base.inherited import child_pythonpath
-from ..base.errors import RunError
-from ..formats.spool import remove_spool_file, wait_for_engine_file
 
 log = logging.getLogger("eagle3")
 
@@ -82,7 +84,6 @@ def _die_with(parent):
     process group, stopped as a whole and untouched by the terminal's Ctrl-C. An engine that ignores SIGTERM while
     it starts is ended by stage 04's lifeline (SIGKILL after lifeline.GRACE s)."""
     try:  # loaded here: an import between fork and exec can deadlock on a lock another thread held
-        import ctypes
         prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
         prctl = None
@@ -145,7 +146,6 @@ class Server:
         """One short request before training: the engine answers with a file this process can read, holding
         [T, n_states, hidden] states for exactly these tokens. An engine storing other layers (another --layer-ids,
         another model) or writing where this machine cannot read is refused here, not after the first batch."""
-        from ..formats.hidden_states import read_header
         body = json.dumps({"model": model, "prompt": token_ids, "max_tokens": 1, "return_token_ids": True}).encode()
         req = urllib.request.Request(self.url + "/completions", body, {"Content-Type": "application/json"})
         try:

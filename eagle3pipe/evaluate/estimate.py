@@ -19,8 +19,12 @@ import os
 import sys
 import time
 
-from ..config import cli
+from ..base import compute
+from ..base.compute import CHOICES
+from ..base.devices import visible_gpus
 from ..base.errors import UsageError
+from ..config import cli
+from ..verifier.verifier_weights import check_loaded
 
 # Calibrated on this project's 2-core AMD EPYC (AVX-512 with avx512_bf16, no AMX) running the quickstart itself
 # (284 rows, 387,942 tokens; docs/BENCHMARKS.md): bf16 natively; float32 with torch held to AVX2 kernels, the setting
@@ -46,14 +50,12 @@ class Rates:
 def measure(model_path, rows, requested="auto", seconds=3.0):
     """Rates of this machine: a timed forward of the verifier in the compute dtype over the longest of `rows` (cut to
     1,024 tokens)."""
-    from ..base import compute
     c = compute.resolve(requested, on_gpu=False)
     import torch
     import transformers
     from transformers import AutoModel
     transformers.utils.logging.disable_progress_bar()  # the estimate's lines are the only ones the reader needs
     torch.manual_seed(0)
-    from ..verifier.verifier_weights import check_loaded
     model, info = AutoModel.from_pretrained(model_path, dtype=c.torch(), output_loading_info=True)
     check_loaded(info, model_path)
     model.eval()
@@ -128,7 +130,6 @@ def sizes(text):
 
 
 def main(argv=None):
-    from ..base.compute import CHOICES
     p = cli.Parser(description="How long stages 02-05 take here, from a short measurement.")
     p.add_argument("--model-path", required=True)
     p.add_argument("--prepared-data", required=True, help="stage 01 folder (its rows' lengths)")
@@ -145,7 +146,6 @@ def main(argv=None):
     rows_file = os.path.join(a.prepared_data, "tokenized_data.jsonl")
     if not os.path.isfile(rows_file):
         raise UsageError(f"--prepared-data {a.prepared_data}: no tokenized_data.jsonl; run 01_prepare_dataset.py")
-    from ..base.devices import visible_gpus
     if visible_gpus():  # the quickstart's sizes are seconds of work for a GPU; the measurement here is a CPU one
         print(a.samples)
         return 0

@@ -6,11 +6,16 @@ import logging
 import os
 from typing import Optional
 
-from ..config import cli
+from . import evaluation
 from ..base import compute, devices
 from ..chat import conversations, heldout, masks, tokenize_workers
+from ..config import cli
+from ..drafts.mla_draft import is_mla_checkpoint
+from ..engines import engine
+from ..measures import draft_check
 from ..storage import files, outdir
 from ..verifier import quantization, verifier, vllm_support
+from ..verifier.verifier_weights import say, verify
 
 log = logging.getLogger("eagle3")
 
@@ -36,8 +41,6 @@ def vllm_absent_reason(fp, tc, gpus, drafts, dtype):
     """Why vLLM cannot measure these drafts here (not installed; no EAGLE-3 for the family; an engine that would die
     at start on this machine), or None: it can. Found from files and flags, before anything loads. Without `drafts`,
     what the verifier alone tells."""
-    from ..engines import engine
-    from ..drafts.mla_draft import is_mla_checkpoint
     if not vllm_support.installed():
         return "vLLM is not installed here"
     unserved = vllm_support.eagle3_refusal(fp.get("architecture"))
@@ -63,8 +66,6 @@ def engine_choice(args, why):
 
 def plan(args):
     """-> Plan. Raises cli.UsageError naming the flag, file or record at the first problem."""
-    from ..measures import draft_check
-    from . import evaluation
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
     if args.vllm == "on":  # what the verifier alone tells, before the drafts are read
         engine_choice(args, vllm_absent_reason(fp, tc, None, None, None))
@@ -91,7 +92,6 @@ def plan(args):
     prompts = heldout.select_prompts(args, skip, wheres, heldout.trained_ids(prepared), seen, tools)
     # the checks that need transformers, after every cheap one and before the folder is taken: the verifier's weights
     # against the model its config defines, then the prompts' tokens
-    from ..verifier.verifier_weights import verify
     verify(args.model_path, args.trust_remote_code)  # said once the folder is taken (announce, dry_run)
     tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
     maxpos, ids = fp.get("max_position_embeddings"), []
@@ -129,7 +129,6 @@ def alone_warning(why):
 
 def dry_run(args, p):
     """What the run would do, every warning included; nothing loaded or written."""
-    from ..verifier.verifier_weights import say
     say(args.model_path, args.trust_remote_code)
     for warning in p.warnings:
         log.warning(warning)
@@ -141,7 +140,6 @@ def dry_run(args, p):
 
 def announce(args, p):
     """The run's first lines, once the folder is taken."""
-    from ..verifier.verifier_weights import say
     say(args.model_path, args.trust_remote_code)
     log.info(p.dtype.describe())
     for warning in [p.dtype.warning] + p.warnings:

@@ -1,14 +1,14 @@
 """Stage 05's report: report.json, acceptance.png, the manifest, and the table and lines it prints."""
+import importlib.metadata
 import os
 
+from ..adapters import _dist
 from ..storage import files
 from .evaluation import explain, reconcile
 
 
 def versions():
     """The engine and libraries behind the figures: a moved figure is read against them."""
-    import importlib.metadata
-    from ..adapters import _dist
     out = {}
     for name in ("vllm", "torch", "transformers", "speculators"):
         try:

@@ -11,8 +11,17 @@ import time
 
 from ..engines import engine
 from ..measures.draft_check import check_draft, serving_mismatches  # noqa: F401 (the draft's checks; tests' names)
+from ..adapters import close_engine
 from ..base.errors import UsageError
 from ..chat.heldout import train_manifest
+from ..config.cli import describe
+from ..drafts.mla_draft import served_path
+from ..engines.engine import make_llm
+from ..measures import acceptance
+from ..measures.acceptance import expected_acceptance
+from ..measures.draft_check import check_folder
+from ..storage.files import open_input, read_json, read_manifest
+from ..verifier.verifier import weights_bytes
 
 log = logging.getLogger("eagle3")
 
@@ -20,7 +29,6 @@ log = logging.getLogger("eagle3")
 def candidates(draft):
     """The checkpoints to measure: every epoch checkpoint of a stage 04 folder (numbered folders holding a
     config.json, in epoch order), or the one checkpoint `draft` names. -> [(name, path)]."""
-    from ..storage.files import read_manifest
     if os.path.isdir(draft) and not os.path.isfile(os.path.join(draft, "config.json")):
         man = read_manifest(draft)
         if not (isinstance(man, dict) and man.get("stage") == "train"):
@@ -58,7 +66,6 @@ def drafts_to_measure(drafts, fp, text_cfg, tp=1, k=None):
     (draft_check.py), and the run that trained it. With several paths each name is prefixed by its run's folder name
     ('<run>/<epoch>'). `tp`, `k`: --tp-size (the draft's heads are split too), --num-speculative-tokens.
     -> ([(name, path)], [warnings])."""
-    from ..measures.draft_check import check_folder
     found, warnings = [], []
     for draft, run in zip(drafts, run_names(drafts)):
         found += [(name if len(drafts) == 1 else f"{run}/{name}", path) for name, path in candidates(draft)]
@@ -89,7 +96,6 @@ def rank(found, run):
     "tokens_per_s", "seconds_per_round"}], the best one's figures). At batch size 1 each proposal is one round
     (k draft steps and one verification), so the time a round takes is what a checkpoint costs, whatever it
     accepts: a deeper draft's cost beside its acceptance, from the same run."""
-    from ..measures.acceptance import expected_acceptance
     rows, figures = [], {}
     for name, path in found:
         figures[name] = got = run(os.path.abspath(path))
@@ -106,8 +112,6 @@ def measure_without_vllm(args, drafts, prompt_ids, on_gpu, ranking):
     """eagle3pipe/measures/acceptance.py's measure for every draft on the same prompts, beside vLLM's figures; each ranking
     row gets its "measure". -> {"acceptance_length", "per_position", "vllm", "vllm_per_position", "drafts",
     "accepted", "by_draft", "reference_seconds"} for the best draft, or {"skipped": why}."""
-    from ..measures import acceptance
-    from ..verifier.verifier import weights_bytes
     size = weights_bytes(args.model_path) if os.path.isdir(args.model_path) else None
     if args.measure == "off" or (args.measure == "auto" and not (size and size <= acceptance.MEASURE_MAX_WEIGHT_BYTES)):
         why = "--measure off" if args.measure == "off" else "the verifier's weights are over 10 GB (--measure on runs it)"
@@ -120,7 +124,6 @@ def measure_without_vllm(args, drafts, prompt_ids, on_gpu, ranking):
                                                        args.num_speculative_tokens, args.max_new_tokens,
                                                        "cuda" if on_gpu else "cpu", args.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - an addition to vLLM's figures must never cost them
-        from ..config.cli import describe
         why = f"failed: {describe(e, advice=False)[1]}"
         log.warning(f"acceptance without vLLM: {why}")
         return {"skipped": why}
@@ -139,8 +142,6 @@ def measure_without_vllm(args, drafts, prompt_ids, on_gpu, ranking):
 def measure_alone(args, plan):
     """Where vLLM does not run: acceptance.py's measure of every draft on the same prompts, ranked as vLLM's figures
     are. -> run()'s tuple with no engine figures: ([], None, None, ranking, measure)."""
-    from ..measures import acceptance
-    from ..measures.acceptance import expected_acceptance
     log.info("acceptance without vLLM: the verifier's greedy continuations in float32 through transformers, then one "
              "forward per draft")
     by_draft, ref_seconds = acceptance.measure_all(plan.drafts, args.model_path, plan.ids, args.num_speculative_tokens,
@@ -154,7 +155,6 @@ def measure_alone(args, plan):
 
 
 def _val_metrics(path):
-    from ..storage.files import read_json
     p = os.path.join(path, "val_metrics.json")
     try:
         return read_json(p) if os.path.isfile(p) else None
@@ -168,7 +168,6 @@ MARGIN = 0.15  # acceptance length: the trainer's estimate and vLLM's measuremen
 def reconcile(draft, measured):
     """The trainer's estimate for a checkpoint (its val_metrics.json) beside vLLM's measurement (`measured`: one
     batch size's figures) -> {"trainer": ..., "vllm": ..., "per_position": [[trainer, vllm], ...], "note"}."""
-    from ..measures.acceptance import expected_acceptance
     val = _val_metrics(draft)
     est, got = expected_acceptance(val), measured.get("acceptance_length")
     if est is None or got is None:
@@ -193,7 +192,6 @@ def read_train_metrics(draft):
     path = os.path.join(os.path.dirname(os.path.realpath(draft)), "logs", "metrics.jsonl")
     if not os.path.isfile(path):
         return [], None
-    from ..storage.files import open_input
     records, bad = [], 0
     with open_input(path, "rb") as f:
         for line in f:
@@ -279,10 +277,8 @@ def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, *, dtype, lo
     """Greedy generation at each batch size (prompts submitted b at a time) -> {b: figures}. With `reference` (the
     batch-1 outputs without the draft), results[1]["divergences"] explains each output that differs. `dtype`: the
     compute dtype of verifier and draft (compute.py); `log_path`: the engine's output."""
-    from ..engines.engine import make_llm
     kw = {"gpu_memory_utilization": gpu_memory_utilization} if on_gpu else {}  # vLLM's CPU sizes its cache apart
     if draft:
-        from ..drafts.mla_draft import served_path
         kw["speculative_config"] = {"method": "eagle3", "model": served_path(draft), "num_speculative_tokens": k}
     llm = make_llm(model_path, tp=tp, max_model_len=max_model_len, on_gpu=on_gpu, trust_remote_code=trust_remote_code,
                    dtype=dtype, log_path=log_path, enable_prefix_caching=False, disable_log_stats=False, max_num_seqs=max(batch_sizes),
@@ -292,7 +288,6 @@ def run_engine(model_path, prompt_ids, batch_sizes, max_new_tokens, *, dtype, lo
     try:
         return _generate_all(llm, prompt_ids, batch_sizes, params, draft, reference)
     finally:  # the next engine starts on a machine this one has left
-        from ..adapters import close_engine
         close_engine(llm)
 
 

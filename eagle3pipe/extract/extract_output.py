@@ -3,15 +3,18 @@ per-replica shard reports, the final check of every file and manifest.json."""
 import contextlib
 import logging
 import os
+import re
 import time
 
-from ..engines import backends, engines
 from ..base import faults
-from ..storage import files, locks, outdir
-from ..verifier import verifier
-from ..formats.spool import clear_spool
-from ..verifier.verifier_weights import verify
 from ..base.errors import UsageError
+from ..engines import backends, engines
+from ..formats.hidden_states import hs_path, read_header
+from ..formats.spool import clear_spool
+from ..storage import files, locks, outdir
+from ..storage.input_watch import stage01
+from ..verifier import verifier
+from ..verifier.verifier_weights import verify
 
 log = logging.getLogger("eagle3")
 SHARD_REPORT = ".shard-{}-of-{}.json"  # one per replica, written when it finishes
@@ -32,7 +35,6 @@ def prepare_output(args, plan):
                 # "bfloat16": the name folders written before fp8 existed carry, so they still resume
                 "storage_dtype": {"bf16": "bfloat16"}.get(args.storage_dtype, args.storage_dtype)}
     if args.shard and os.path.isdir(out) and not args.overwrite:  # every replica splits the rows the same way
-        import re
         done = os.path.join(out, files.MANIFEST)
         if os.path.isfile(done) and not os.path.islink(done):  # a finished run: its manifest's split is the split
             try:
@@ -93,7 +95,6 @@ def largest_scale(out, ok):
     """The largest fp8 scale the folder's files hold, from the scale_max each file's header records (a header read
     each: about a second for 17,600 files); None where a file records none (written before it was recorded). Stage 04
     refuses a file whose scales reach past it (hidden_states.scales_outside)."""
-    from ..formats.hidden_states import hs_path, read_header
     largest = 0.0
     for i in ok:
         note = (read_header(hs_path(out, i))[0].get("__metadata__") or {}).get("scale_max")
@@ -113,9 +114,8 @@ def record_compute_dtype(out, plan):
 def finish(args, plan, identity, rows, failed, stats):
     """Write manifest.json once every row is accounted for. A shard first writes its own report; the replica that
     completes the set (or `--verify`) checks every file of every shard and writes the folder's manifest."""
-    from . import extraction
+    from . import extraction  # here, not at the top: it imports numpy (the dry run and preflight never need it)
     out, (n_states, hidden) = args.output_dir, (plan.n_states, plan.hidden_size)
-    from ..storage.input_watch import stage01
     stage01("--prepared-data", plan.jsonl, plan.prepared_manifest).check(full=True)  # the rows this folder was made from
     dtypes = computed_dtypes(out, plan, stats["tokens"] > 0)
     if args.shard and not args.verify:
@@ -176,8 +176,6 @@ def opened(args, plan, out):
     """Stage 02's verifier, loaded as the backend `args.backend` chooses (`args`: settings.Extract; `plan`:
     preflight.Plan), for the `with` block. vLLM writes through its connector into a spool this process makes,
     `<out>/.incoming/<pid>`; once the block ends normally, what the engine left there goes, and the spool with it."""
-    from ..storage import outdir
-    from ..formats.spool import clear_spool
     t_load, staging = time.time(), None
     if engines.kind(args.backend) is engines.VLLM:
         staging = outdir.make_dir(os.path.join(outdir.make_dir(os.path.join(out, INCOMING)), str(os.getpid())))

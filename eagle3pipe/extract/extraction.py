@@ -15,15 +15,17 @@ import queue
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from ..engines import engines
 from ..base import faults
+from ..base.errors import UsageError, resume_hint
+from ..engines import engines
+from ..formats.spool import remove_spool_file, wait_for_engine_file
 from ..storage import outdir
 from ..storage.rows import same_ids
-from ..formats.spool import remove_spool_file, wait_for_engine_file
-from ..base.errors import UsageError, resume_hint
 from ..formats.hidden_states import (SCALES, check_file, check_header, finite, hs_path, load_checked, quantize_fp8,
-                                     read_header, save, scale_note)
+                                     read_header, save, scale_note, bytes_per_token)
+from ..storage.input_watch import stage01
 
 log = logging.getLogger("eagle3")
 NON_FINITE = "non-finite values"
@@ -47,7 +49,6 @@ def make_batches(todo, lengths, batch_size, max_tokens=None):
 
 def check_all(out_dir, rows, indices, n_states, hidden, workers=None):
     """{row: None if its file is complete and right (checksum, token ids, finite values), else the reason}."""
-    from concurrent.futures import ThreadPoolExecutor
     workers = workers or min(16, (os.cpu_count() or 1) * 2)  # reads and CRCs release the GIL
     with ThreadPoolExecutor(workers) as ex:
         return dict(zip(indices, ex.map(lambda i: check_file(hs_path(out_dir, i), rows[i], n_states, hidden), indices)))
@@ -256,7 +257,6 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
     main_thread = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     # stage 01's folder rewritten under this run: one line, before files of two inputs mix (and again in finish)
-    from ..storage.input_watch import stage01
     watch = stage01("--prepared-data", plan.jsonl, plan.prepared_manifest)
     t0 = time.time()
     batches = make_batches(todo, [len(r) for r in rows], args.batch_size, args.max_tokens_per_batch)
@@ -281,15 +281,12 @@ def run(backend, rows, todo, out_dir, args, plan, progress):
         backend.flush()  # the last batch's host copy
         writer.close()
         if broken:
-            from ..base.errors import UsageError
             raise UsageError(f"--model-path {args.model_path}: its hidden states are not finite on any of the first "
                              f"{min(FIRST_ROWS, len(todo))} rows it ran (weights holding inf or NaN, or a --dtype its "
                              f"values overflow); no hidden-state file was written: check the verifier, then rerun")
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
-        from ..base.errors import UsageError
-        from ..formats.hidden_states import bytes_per_token
         left = [i for i in todo if i not in written and i not in failed]
         need = sum(len(rows[i]) for i in left) * bytes_per_token(n_states, hidden, writer.storage)
         raise UsageError(f"--output-dir {out_dir}: disk full ({e.strerror}) with {len(left):,} of {len(todo):,} "

@@ -33,13 +33,15 @@ import subprocess
 import sys
 import time
 
-from .. import REPO
-from ..config import cli
-from ..base import devices, handoff
-from ..storage import locks, outdir
 from . import preflight
+from .. import REPO
+from ..base import devices, handoff
 from ..base.errors import RunError, UsageError
 from ..base.errors import quote
+from ..config import cli
+from ..storage import locks, outdir
+from ..storage.files import atomic_path
+from .extract_output import prepare_output
 
 STAGE = "02_extract_hidden_states.py"
 ME = "scripts/extract.sh"
@@ -156,7 +158,6 @@ def _busy(out, shard, error):
 
 def preflight_run(r):
     """Stage 02's --dry-run, in this process, with the replica's GPUs. -> the real output path."""
-    from .extract_output import prepare_output
     with devices.visible(r.gpus):
         plan = preflight.plan(r.args)
         print(preflight.format_plan(plan), flush=True)
@@ -306,7 +307,6 @@ def main(argv=None):
             text = (f"stage 02 (PID {dead.proc.pid}) stopped {time.monotonic() - t0:.0f} s after it started{which}, "
                     f"exit {dead.code}: {why} (its log: {quote(os.path.join(real, dead.log))})")
             raise UsageError(text) if dead.code == 2 else RunError(text)
-        from ..storage.files import atomic_path
         for r in reps:
             if r.code is not None:  # done already (nothing left to extract): no PID to stop
                 continue

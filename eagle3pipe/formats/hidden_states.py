@@ -14,12 +14,14 @@ Position t holds the states computed *at* token t (the verifier has seen tokens 
 that pairs them with token t+1.
 """
 import json
+import math
 import os
 import struct
 import zlib
 
-from ..base import faults
 from ..adapters import interrupted
+from ..base import faults
+from ..storage.files import atomic_path, open_input
 
 HS_NAME = "hs_{}.safetensors"
 SCALES = "hidden_states_scales"
@@ -77,7 +79,6 @@ def save(path, tensors, **metadata):
     it is still in the CPU's cache (one pass over the data instead of two), and the header is written last in place
     of a placeholder of the same length. zlib and the writes release the GIL, so several writer threads overlap."""
     import torch
-    from ..storage.files import atomic_path
     header, views, offset = {}, [], 0
     for name in sorted(tensors):
         t = tensors[name].contiguous()
@@ -114,7 +115,6 @@ _CHUNK = 1 << 20  # fits in a core's L2 cache
 def read_header(path):
     """-> (header dict, data offset, file size); raises ValueError/OSError on a truncated or foreign file."""
     size = os.path.getsize(path)
-    from ..storage.files import open_input
     with open_input(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
@@ -166,7 +166,6 @@ def load_sample(path, n_states, hidden, scale_max=None):
         if reason:
             return reason, None
         import numpy as np
-        from ..storage.files import open_input
         buf = np.empty(size, dtype=np.uint8)  # not zero-filled first, as a bytearray would be
         with open_input(path, "rb") as f:
             got = f.readinto(buf)
@@ -210,7 +209,6 @@ def scale_note(tensors):
 def _views(buf, start, header):
     """{name: tensor} viewing `buf` (a writable buffer: a whole safetensors file from byte 0; data from `start`). Raises ValueError where
     a tensor's offsets disagree with its dtype and shape or leave the data, KeyError on a dtype not ours."""
-    import math
     import torch
     out = {}
     for name, meta in header.items():
@@ -255,7 +253,6 @@ def verify_crc(path):
     if want is None:
         return None
     crc = 0
-    from ..storage.files import open_input
     with open_input(path, "rb") as f:
         f.seek(start)
         while chunk := f.read(1 << 24):
@@ -269,7 +266,6 @@ def read_token_ids(path):
     header, start, _ = read_header(path)
     tid = header["token_ids"]
     a, b = tid["data_offsets"]
-    from ..storage.files import open_input
     with open_input(path, "rb") as f:
         f.seek(start + a)
         return np.frombuffer(f.read(b - a), dtype="<i8").tolist()

@@ -14,13 +14,15 @@ process made them. So a file is deleted only if everything about it says it is s
 Nothing here deletes but remove_spool_file, by these rules (clear_spool empties a spool through it); the stage waits
 for an engine's file with wait_for_engine_file.
 """
+import fcntl
 import logging
 import os
 import stat
 import time
 
-from ..storage import outdir
 from ..base.errors import RunError
+from ..storage import outdir
+from .hidden_states import read_header
 
 log = logging.getLogger("eagle3")
 
@@ -35,7 +37,6 @@ def process_start():
     which only narrows what it may delete (the files it asks for are made after it started)."""
     if not _start:
         t = None
-        import time
         try:
             with open("/proc/self/stat", "rb") as f:
                 ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
@@ -62,7 +63,6 @@ def _plain(path, foreign, st=None):
 
 def engine_made(path, foreign=False):
     """True if `path` is an engine's finished file as above (`foreign`: in a spool the stage does not own)."""
-    from .hidden_states import read_header
     if not path.endswith(".safetensors") or _plain(path, False) is None:
         return False
     try:
@@ -118,7 +118,6 @@ def wait_for_engine_file(path, spool, timeout=600):
     engine's lock is released with it), or False at once if `path` is not a file inside `spool`: nothing outside it
     is read, waited on or deleted. The lock is then deleted if it is the engine's (spool.py): in a spool the stage
     does not own, a lock beside anything but this run's engine file stays."""
-    import fcntl
     if spool is None or not outdir.confined(spool, path):
         return False
     lock = path + ".lock"

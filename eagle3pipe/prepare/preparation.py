@@ -10,12 +10,14 @@ import logging
 import os
 import random
 
-from ..config import cli
-from ..chat import conversations, messages as chat, tokenize_workers
-from ..base import devices, faults
-from ..storage import files, outdir
 from . import regenerate
+from ..base import devices, faults
+from ..base.progress import Progress
+from ..chat import conversations, messages as chat, tokenize_workers, masks
+from ..config import cli
+from ..storage import files, outdir
 from ..verifier import verifier
+from ..verifier.verifier_weights import verify
 
 log = logging.getLogger("eagle3")
 
@@ -42,10 +44,8 @@ def check(args):
 def tokenizer(args, records):
     """The verifier's tokenizer, its chat template probed on the records: a template that loops is refused before
     the folder is taken. With --regenerate the verifier's weights are checked against its config first."""
-    from ..chat import masks
-    if args.regenerate:  # the verifier answers: its weights against the model its config defines (imports transformers;
-        from ..verifier.verifier_weights import verify  # said by regenerate.run, once the folder is taken)
-        verify(args.model_path, args.trust_remote_code)
+    if args.regenerate:  # the verifier answers: its weights against the model its config defines (imports
+        verify(args.model_path, args.trust_remote_code)  # transformers; said by regenerate.run, once the folder is taken)
     tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
     tokenize_workers.probe(tok, records, args.max_seq_len)
     return tok
@@ -111,7 +111,6 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
     per token id, counts); what cannot train is counted in `skipped`. A template that fails on every conversation is
     the verifier's problem, not the data's, and is refused naming it."""
     import numpy as np
-    from ..base.progress import Progress
     counts = collections.Counter()
     freq = np.zeros(vocab, dtype=np.int64)
     rows, first_template_error, turns = [], None, 0

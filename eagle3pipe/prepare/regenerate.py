@@ -9,16 +9,18 @@ system turn, answer nothing and are dropped (counted in the manifest). Answers a
 and a rerun with the same settings asks only for the rest (the last finished run's `regenerated.jsonl` counts
 too). On success stage 01 writes this run's answers to `regenerated.jsonl` and drops the working file.
 """
+import hashlib
 import json
 import logging
 import os
 
 from ..base import compute, devices, faults
-from ..engines import engine
-from ..chat import masks
-from ..storage import outdir
-from ..measures.draft_check import check_tp, split_heads
 from ..base.errors import UsageError
+from ..chat import masks
+from ..engines import engine
+from ..measures.draft_check import check_tp, split_heads
+from ..storage import outdir
+from ..verifier.verifier_weights import say
 
 log = logging.getLogger("eagle3")
 ENGINE_LOG = "engine.log"  # in stage 01's output folder: what the vLLM engine prints
@@ -69,7 +71,6 @@ def settings_of(args):
 def prompt_digest(messages):
     """What an answer answered: the conversation before it. Part of the cache's key beside the record's id and the
     turn, so that two records sharing an id, or a record edited between runs, never take each other's answers."""
-    import hashlib
     return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -94,7 +95,6 @@ def load_cache(paths, settings):
 def run(records, tok, args, out):
     """[(id, messages, tools)] -> (the same with assistant turns regenerated, counts, this run's answers as
     [{"id", "turn", "text", "settings"}]). Resumable (see above); `out` is stage 01's claimed output folder."""
-    from ..verifier.verifier_weights import say
     say(args.model_path, args.trust_remote_code)  # checked before the folder was taken (preparation.tokenizer)
     settings, path = settings_of(args), cache_path(out)
     done = load_cache([os.path.join(out, "regenerated.jsonl"), path], settings)

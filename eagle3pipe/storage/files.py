@@ -5,8 +5,10 @@ same folder and renamed. A stage drops its manifest before replacing any of its 
 manifest is always complete. Which files a folder's stage owns: ledger.py and outdir.py; the lock: locks.py.
 """
 import contextlib
+import copy
 import datetime
 import errno
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -14,10 +16,13 @@ import platform
 import re
 import shlex
 import shutil
+import stat
+import subprocess
 import sys
 
+from . import outdir
 from .. import FORMAT_VERSION, REPO
-from ..base.errors import UsageError
+from ..base.errors import UsageError, oneline
 
 MANIFEST = "manifest.json"
 RUN_FILE = ".run.json"  # written when a resumable stage starts: {"stage", "identity"}
@@ -47,7 +52,6 @@ def free_bytes(folder):
 def atomic_path(path):
     """Yield a fresh temporary path beside `path` (created O_EXCL|O_NOFOLLOW, recorded); rename it onto `path` only
     if the block succeeds and `path` is absent or the stage's own (outdir.install)."""
-    from . import outdir
     tmp = outdir.new_temp(path)
     try:
         yield tmp
@@ -71,14 +75,12 @@ def atomic_path(path):
 def open_input(path, mode="r", **kw):
     """Open an input for reading, only if it is a regular file: a FIFO, a device or a socket given as an input is
     one line at once, never a read that waits forever."""
-    import stat
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
                 "a socket" if stat.S_ISSOCK(st.st_mode) else "a device"
-            from ..base.errors import oneline
             raise UsageError(f"{oneline(path)}: is {kind}, not a regular file; give a file")
         os.set_blocking(fd, True)
     except BaseException:
@@ -145,7 +147,6 @@ def take_output(flag, path, stage, identity, inputs=(), what="files", shard=None
     outdir.claim (the lock, dead writers' temporaries, --overwrite of exactly what earlier runs recorded), the
     manifest dropped (`begin`) and this run's record written: {"stage", "identity", **carry(the earlier run's record
     if it had the same identity, else None)}. -> (the real path, the manifest a finished earlier run left or None)."""
-    from . import outdir
     run_file, earlier = os.path.join(path, RUN_FILE), None
     if not overwrite and os.path.isdir(path):
         earlier = read_json(run_file) if os.path.exists(run_file) else None
@@ -171,7 +172,6 @@ def take_output(flag, path, stage, identity, inputs=(), what="files", shard=None
 def begin_output(folder):
     """Before a stage replaces any of its files in `folder`: drop its manifest, so a run killed half way leaves a
     folder that later stages refuse ("no manifest.json: rerun ...") and that a rerun of this stage takes back."""
-    from . import outdir
     outdir.remove(os.path.join(folder, MANIFEST))
 
 
@@ -231,7 +231,6 @@ def manifest(stage, settings, **fields):
 def code_version():
     """This checkout's git commit and whether its tracked files differ from it (None outside a git checkout, or
     when git does not answer within 5 s)."""
-    import subprocess
     try:
         commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
         dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
@@ -272,14 +271,12 @@ def load_stage(flag, folder, stage):
 
 def content_id(obj):
     """A short stable hash of a JSON-able value: what a stage's output depends on."""
-    import hashlib
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def array_id(a):
     """A short stable hash of an integer array's values (int64 little-endian): a manifest records it for the arrays
     the next stage reads (token_freq.npy, d2t.npy), so an array edited or swapped since is found before it is used."""
-    import hashlib
     import numpy as np
     return hashlib.sha256(np.ascontiguousarray(a, dtype="<i8").tobytes()).hexdigest()[:16]
 
@@ -287,15 +284,26 @@ def array_id(a):
 MAX_JSON = 64 << 20  # bytes: a manifest or a config is pages, not a data file; parsing more is a wait without end
 
 
-def read_json(path, max_bytes=MAX_JSON):
-    """A JSON file the pipeline reads (a manifest, a config); any way it is unreadable is one line naming it."""
+_READ = {}  # path -> (the file's identity when read, its value): read_json(..., once=True)
+
+
+def read_json(path, max_bytes=MAX_JSON, once=False):
+    """A JSON file the pipeline reads (a manifest, a config); any way it is unreadable is one line naming it. `once`:
+    a file several checks of one stage read (the verifier's config.json) is parsed once while it stays the same file
+    (device, inode, size, mtime); each caller gets its own copy."""
     try:
         with open_input(path, encoding="utf-8") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > max_bytes:
-                raise UsageError(f"{path}: {size:,} bytes; a file of this kind is at most {max_bytes:,} bytes: not "
-                                 f"one a stage or a model writes")
-            return json.load(f)
+            st = os.fstat(f.fileno())
+            if st.st_size > max_bytes:
+                raise UsageError(f"{path}: {st.st_size:,} bytes; a file of this kind is at most {max_bytes:,} bytes: "
+                                 f"not one a stage or a model writes")
+            ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            if once and _READ.get(path, (None,))[0] == ident:
+                return copy.deepcopy(_READ[path][1])
+            value = json.load(f)
+            if once:
+                _READ[path] = (ident, copy.deepcopy(value))
+            return value
     except RecursionError:
         raise UsageError(f"{path}: not valid JSON (nested too deep)")
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both are

@@ -8,8 +8,8 @@ import logging
 import os
 import time
 
-from ..base import faults
 from . import files
+from ..base import faults
 from ..base.errors import RunError, UsageError
 
 log = logging.getLogger("eagle3")

@@ -7,6 +7,7 @@ not match, so outdir.py never deletes or replaces it. The record is append-only 
 replicas and loader workers append to one record; each line is one O_APPEND write) and compacted by the lock
 holder at each claim.
 """
+import hashlib
 import json
 import os
 import re
@@ -58,7 +59,6 @@ HEAD = 4096  # a finished file's identity includes a hash of its first bytes (a 
 
 
 def _head_hash(path, n=HEAD):
-    import hashlib
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:

@@ -25,9 +25,9 @@ import re
 import stat
 import time
 
+from . import locks
 from .. import REPO
 from ..base import faults, handoff
-from . import locks
 from ..base.errors import RunError, UsageError, quote
 from .ledger import (LEDGER, OLD_RECORD, TEMP, Ledger, claimed, exclusive_temp, forget, identity, inside as _inside,
                      ledger_of, open_beneath, open_plain, owned, record, temp_name)

@@ -8,12 +8,20 @@ import logging
 import os
 import time
 
+from ..adapters import interrupted
 from ..base import faults
-from ..storage import files, outdir
-from ..drafts import mla_draft
-from ..measures.acceptance import expected_acceptance
 from ..base.errors import RunError, UsageError
+from ..config.cli import describe
+from ..drafts import archs
+from ..drafts.mla_draft import write_served
+from ..engines.engine import eagle3_blocker, serve_command
+from ..measures.acceptance import expected_acceptance
+from ..storage import files, outdir
+from ..storage.files import write_json
+from ..storage.input_watch import check_training
 from ..storage.ledger import ledger_of
+from ..verifier.verifier import LAYER_ID_CONVENTION
+from ..verifier.vllm_support import eagle3_refusal
 
 log = logging.getLogger("eagle3")
 
@@ -189,7 +197,6 @@ def save(trainer, epoch, local_step, save_):
     root = trainer.checkpointer.path
     staged = root / STAGING / str(epoch)
     if epoch != "interrupted":  # the inputs this run started from, still the same (input_watch)
-        from ..storage.input_watch import check_training
         check_training()
     if trainer.rank == 0:
         outdir.make_dir(str(root / STAGING))
@@ -213,7 +220,6 @@ def save(trainer, epoch, local_step, save_):
             files.write_json(str(staged / "training_state.json"),
                              {"epoch": e, "local_step": k, "global_step": trainer.global_step})
         outdir.record_tree(str(staged))  # complete: a kill from here on leaves a save the rerun publishes
-        from ..drafts.mla_draft import write_served
         write_served(str(staged))  # an MLA draft: vllm/, the config vLLM 0.32 reads, beside the same weights
     if saved:
         faults.kill_point("save")  # a reliability test: die with the save on disk but not in place
@@ -236,17 +242,14 @@ def update_best(trainer, epoch, val_metrics, measure, by_loss):
     if estimate is None and measure is None:  # no per-position accuracies: speculators' own rule, by loss
         by_loss(epoch, val_metrics)
     elif trainer.rank == 0 and saved:  # every checkpoint carries its figures (stage 05 ranks by them too)
-        from ..storage.files import write_json
         record = {**val_metrics, "expected_acceptance_length": estimate}
         if measure is not None and not measure.failed:
             try:
                 faults.signal_point("measure")  # a reliability test: a stop signal during the measure
                 record["acceptance_measure"] = measure.score(trainer.model)
             except Exception as e:  # noqa: BLE001 - choosing the best epoch must never cost the training run
-                from ..adapters import interrupted
                 if interrupted(e):  # a stop signal during the measure: the run stops, the measure did not fail
                     raise
-                from ..config.cli import describe
                 measure.failed = describe(e, advice=False)[1]
                 log.warning(f"acceptance measure failed ({measure.failed}); checkpoint_best follows the trainer's "
                             f"estimate from here on")
@@ -271,17 +274,15 @@ def update_best(trainer, epoch, val_metrics, measure, by_loss):
 
 def print_serve_command(args, out, text_cfg, on_cpu, arch, architecture=None):
     """The checkpoint, and the command that serves it with the vLLM installed here (or why it cannot here).
-    `arch`: the draft's layer (mla_draft.DraftArch); `architecture`: the verifier's (config.json), which the
+    `arch`: the draft's layer (archs.DraftArch); `architecture`: the verifier's (config.json), which the
     installed vLLM may have no EAGLE-3 support for."""
-    from ..engines.engine import eagle3_blocker, serve_command
-    from ..verifier.vllm_support import eagle3_refusal
     last = os.path.join(out, "last")
     log.info(f"checkpoint: {last} -> {os.path.realpath(last)}")
     unserved = eagle3_refusal(architecture)
     if unserved:  # no command this vLLM runs: none printed
         log.warning(f"{unserved}; serve it with a vLLM that has EAGLE-3 support for {architecture}")
         return
-    blocker = eagle3_blocker(text_cfg, not on_cpu, mla_draft=arch.mla)
+    blocker = eagle3_blocker(text_cfg, not on_cpu, mla_draft=arch.attention == "mla")
     where = f" (on a GPU machine: {blocker})" if blocker else ""
     elsewhere = bool(blocker) or not on_cpu  # a GPU machine serves with vLLM's GPU build, installed here or not
     print(f"serve it{where}: {serve_command(args.model_path, last, args.ttt_steps, elsewhere, text_cfg)}")
@@ -291,8 +292,6 @@ def finish(s, plan, out, previous, result, cfg, on_cpu, dtype, rank):
     """After training: a run stopped by a signal says how to resume (exit 128+15); else rank 0 re-checks the
     inputs, writes the manifest (or keeps the earlier run's when nothing was left to train) and prints the
     checkpoint and the command that serves it. -> the exit status."""
-    import json
-    from ..verifier.verifier import LAYER_ID_CONVENTION
     if os.path.basename(result["checkpoint_last"] or "") == "interrupted":  # SIGTERM/Ctrl-C: speculators saved it
         log.warning(f"stopped by a signal at step {result['steps']}; checkpoint {out}/interrupted; rerun the same "
                     f"command to resume")
@@ -311,6 +310,6 @@ def finish(s, plan, out, previous, result, cfg, on_cpu, dtype, rank):
         inputs={"prepared_data": os.path.abspath(s.prepared_data), "hidden_states": "online" if s.online else
                 os.path.abspath(s.hidden_states), "vocab_mapping": os.path.abspath(s.vocab_mapping)},
         speculators_config=json.loads(json.dumps(cfg.flatten(), default=str)), **result))
-    arch = mla_draft.arch_of(plan.recipe)
+    arch = archs.of(plan.recipe)
     print_serve_command(s, out, plan.text_cfg, on_cpu, arch, plan.verifier.get("architecture"))
     return 0

@@ -25,11 +25,11 @@ import logging
 import os
 import sys
 
-from ..engines import online_engine
 from . import online_plan, sample_cache, train_data
-from ..storage import outdir
 from ..base.errors import resume_hint
+from ..engines import online_engine
 from ..formats.spool import clear_spool
+from ..storage import outdir
 
 log = logging.getLogger("eagle3")
 

@@ -1,17 +1,19 @@
 """Stage 04 --online, its preflight (seconds, no torch, no vLLM): where the extraction engine runs (an address, or
 GPUs/CPU and a port), how much memory it may take, and the layer ids it stores. -> `OnlinePlan`."""
 import dataclasses
+import importlib.util
 import os
 import socket
 from typing import Optional
 
 from ..base import compute, devices
-from ..engines import engines
-from ..verifier import quantization
 from ..base.devices import available_ram, visible_gpus
-from ..engines.engine import get_json
-from ..verifier.verifier import weights_bytes
 from ..base.errors import UsageError
+from ..engines import engines
+from ..engines.engine import get_json
+from ..storage import outdir
+from ..verifier import quantization
+from ..verifier.verifier import weights_bytes
 
 
 def check_address(flag, address, model_path):
@@ -57,7 +59,6 @@ def split_gpus(engine_gpus, n_visible):
 def check_engine(s, text_cfg, weights, gpus, engine_gpus, shared):
     """What can be known before the engine loads: vLLM installed, TP against the heads, the weights in the memory
     the engine may use. -> the memory fraction vLLM may take on each of its GPUs."""
-    import importlib.util
     kind = engines.kind(s.backend)
     if kind is engines.VLLM and importlib.util.find_spec(kind.module) is None:
         raise UsageError("--backend vllm: vLLM is not installed here; use --backend hf (transformers), or "
@@ -114,7 +115,6 @@ def plan(s, fp, text_cfg, longest, layer_ids):
         if not os.path.isdir(s.engine_spool):
             raise UsageError(f"--engine-spool {s.engine_spool}: not a folder; give the folder the engine at "
                              f"--engine-address writes to")
-        from ..storage import outdir
         # the files the engine hands back are deleted once read: never in a stage's folder or this run's inputs
         outdir.check_path("--engine-spool", s.engine_spool, [
             ("--prepared-data", s.prepared_data), ("--vocab-mapping", s.vocab_mapping), ("--model-path", s.model_path)])

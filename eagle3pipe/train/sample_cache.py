@@ -8,13 +8,17 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from ..storage import locks, outdir
-from ..storage.files import SKIPPED
+from ..adapters import loader_dataset, original, register_backend, interrupted
+from ..base.errors import RunError
+from ..base.faults import nan_rows
 from ..base.lifeline import parent_death_signal
+from ..formats.hidden_states import HS_NAME, hs_path, load_checked, read_header, save
 from ..formats.spool import clear_spool, wait_for_engine_file
 from ..formats.spool import remove_spool_file
-from ..base.errors import RunError
+from ..storage import locks, outdir
+from ..storage.files import SKIPPED, atomic_path
 
 log = logging.getLogger("eagle3")
 
@@ -31,7 +35,6 @@ def worker_init(worker_id):
     parent_death_signal(signal.SIGKILL)
     if os.getppid() == 1:  # the parent was gone before the line above
         os._exit(1)
-    from ..adapters import original
     original(sdl, "_worker_init_fn")(worker_id)  # a forked worker inherits the patch; a spawned one has the original
 
 
@@ -64,7 +67,6 @@ class CacheTransfer:
     def from_cache(self, file_idx, token_ids):
         """A cached sample {hidden_states, token_ids} after the full check (CRC, token ids, finite), or None; a bad
         file is deleted (it will be generated again)."""
-        from ..formats.hidden_states import hs_path, load_checked
         if not self.budget:
             return None
         path = hs_path(self.cache_dir, file_idx)
@@ -98,7 +100,6 @@ class CacheTransfer:
             remove_spool_file(self.spool, handle)
 
     def _keep(self, path, i):
-        from ..formats.hidden_states import hs_path, read_header, save
         dest, size = hs_path(self.cache_dir, i), os.path.getsize(path)
         with _BudgetLock(self.cache_dir) as b:
             if b.used + size > self.budget or os.path.exists(dest):
@@ -150,7 +151,6 @@ class _BudgetLock:
     def __exit__(self, *exc):
         try:
             if self.used != self.before:
-                from ..storage.files import atomic_path
                 with atomic_path(self.path) as tmp, open(tmp, "w") as f:
                     f.write(str(self.used))
         finally:
@@ -161,7 +161,6 @@ def prepare_cache(cache_dir, budget_bytes):
     """Rank 0, before training: the cache's files re-counted (a killed run may have left the count behind) and files
     over a smaller budget than last time dropped; only files the record says this stage made count, or are deleted
     (a killed writer's temporary files went when the folder was claimed). -> (files, bytes)."""
-    from ..formats.hidden_states import HS_NAME
     outdir.make_dir(cache_dir)
     names, used = [], 0
     for e in sorted(os.scandir(cache_dir), key=lambda e: e.name):
@@ -186,7 +185,6 @@ def dataset_class():
     global OnlineArrowDataset
     if "OnlineArrowDataset" in globals():
         return OnlineArrowDataset
-    from concurrent.futures import ThreadPoolExecutor
 
     from speculators.train.data import ArrowDataset, build_client_item
     from speculators.train.recovery import SampleUnavailable
@@ -209,7 +207,6 @@ def dataset_class():
                     try:
                         self._setup_client()
                     except Exception as e:  # noqa: BLE001 - each sample's own attempts below report it
-                        from ..adapters import interrupted
                         if interrupted(e):
                             raise
                 with ThreadPoolExecutor(min(len(missing), t.concurrency)) as ex:
@@ -242,8 +239,6 @@ def __getattr__(name):  # a spawned data-loader worker unpickling the dataset fi
 def install(out, p, url):
     """Register our transfer with speculators (its public registry). -> the transfer."""
     from hs_connectors.transfer import HiddenStatesTransfer
-    from ..adapters import register_backend
-    from ..base.faults import nan_rows
     cache_dir, logs = os.path.join(out, CACHE), os.path.join(out, "logs")
     transfer = CacheTransfer(cache_dir, p.cache_bytes, os.path.join(logs, SKIPPED), 64, p.n_states, p.hidden_size,
                              nan_rows(), spool=spool_of(out, p))
@@ -258,7 +253,6 @@ _transfer = [None]
 
 def loaders():
     """For training.run: speculators' loaders build OnlineArrowDataset and start workers with worker_init."""
-    from ..adapters import loader_dataset
     return loader_dataset(dataset_class(), worker_init)
 
 

@@ -24,7 +24,14 @@ import dataclasses
 import logging
 import os
 
+from ..base.compile_cache import setting_kept
 from ..base.errors import UsageError
+from ..drafts import archs
+from ..formats.hidden_states import dequantize, hs_path, load_checked
+from ..storage.files import read_json
+from ..verifier import verifier_weights
+from ..verifier.quantization import tensor_table
+from ..verifier.verifier import text_config
 
 log = logging.getLogger("eagle3")
 
@@ -95,7 +102,6 @@ def check(s, tc, ext, rows, failed, draft_arch):
     and `failed`: the rows trained on and those stage 02 could not extract; `draft_arch`: the draft family whose norm
     speculators builds the targets with), None where no row's states could be read, or raises UsageError. Offline
     runs only: the states are read from stage 02's files."""
-    from ..base.compile_cache import setting_kept
     with setting_kept():  # stage 04 chooses the compile cache after the plan (compile_cache.py)
         return _check(s, tc, ext, rows, failed, draft_arch)
 
@@ -104,9 +110,6 @@ def _check(s, tc, ext, rows, failed, draft_arch):
     import numpy as np
     import torch
     from speculators.utils.loading import _resolve_key
-    from ..verifier import verifier_weights
-    from ..verifier.quantization import tensor_table
-    from ..formats.hidden_states import dequantize, hs_path, load_checked
     # the rows' last hidden states and the trained positions (token t's state predicts token t + 1)
     states, masks = [], []
     for i, row in enumerate(rows):
@@ -172,15 +175,13 @@ def _check(s, tc, ext, rows, failed, draft_arch):
 
 
 def _configs(model_path):
-    from ..storage.files import read_json
-    from ..verifier.verifier import text_config
-    cfg = read_json(os.path.join(model_path, "config.json"))
+    cfg = read_json(os.path.join(model_path, "config.json"), once=True)
     return cfg, text_config(cfg)
 
 
 def _norm_class(draft_arch):
     """The RMSNorm speculators builds the targets' norm from: the draft family's (its layer config's model_type)."""
     from speculators.models.eagle3.model_definitions import model_classes
-    from ..drafts import mla_draft
-    with mla_draft.layer():
-        return model_classes[mla_draft.MODEL_TYPE if mla_draft.ARCHS[draft_arch].mla else draft_arch].norm_class
+    arch = archs.ARCHS[draft_arch]
+    with arch.scope():
+        return model_classes[arch.layer_type].norm_class

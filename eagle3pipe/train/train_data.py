@@ -11,14 +11,16 @@ import logging
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-from ..storage import files, outdir
-from ..formats import fp8_transport
+from ..adapters import loader_dataset, register_backend
 from ..base.errors import RunError, UsageError
-from ..storage.files import STAGE_SCRIPTS, load_stage
-from ..storage.rows import read_rows, same_ids
+from ..formats import fp8_transport
 from ..formats.hidden_states import SCALES, check_header, fp8_to, hs_path, load_sample, read_token_ids, verify_crc
+from ..storage import files, outdir
+from ..storage.files import STAGE_SCRIPTS, load_stage, content_id, load_npy
+from ..storage.rows import read_rows, same_ids
 from ..verifier.verifier import same_verifier
 
 log = logging.getLogger("eagle3")
@@ -68,7 +70,6 @@ def _mismatch(what, a_name, a, b_name, b, rerun):
 def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
     """All cross-stage checks, before torch: -> (prep manifest, States, vocab manifest, rows [(ids, mask)], failed
     rows). With --online (`online_layer_ids`) there is no stage 02 folder: States describes what the engine makes."""
-    from ..storage.files import content_id
     prep = load_stage("--prepared-data", args.prepared_data, "prepare")
     voc = load_stage("--vocab-mapping", args.vocab_mapping, "vocab")
     if online_layer_ids:
@@ -90,7 +91,6 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
     import numpy as np
     d2t_path, t2d_path = (os.path.join(args.vocab_mapping, n) for n in ("d2t.npy", "t2d.npy"))
     try:
-        from ..storage.files import load_npy
         d2t, t2d = load_npy(d2t_path), load_npy(t2d_path)
     except (OSError, ValueError) as e:
         raise UsageError(f"--vocab-mapping {args.vocab_mapping}: unreadable d2t/t2d ({e}); rerun 03_build_vocab_mapping.py")
@@ -125,7 +125,6 @@ def check_inputs(args, fp, verify_data=True, online_layer_ids=None):
         if reason:
             bad.append((i, reason))
     if not bad and verify_data:  # --verify-data: every byte against its CRC before step 1 (else as each is read)
-        from concurrent.futures import ThreadPoolExecutor
 
         def verify(i):
             reason = verify_crc(hs_path(args.hidden_states, i))
@@ -235,7 +234,6 @@ def skipped_rows(out):
 def install_checked(transfer):
     """Make `transfer` what speculators' loaders read offline, through its public registry."""
     from hs_connectors.transfer import HiddenStatesTransfer
-    from ..adapters import register_backend
     HiddenStatesTransfer.register(CheckedFiles)  # an ABC: ours is a virtual subclass
     _checked[0] = transfer
     register_backend(CHECKED, lambda: _checked[0])
@@ -273,7 +271,6 @@ class OfflineData:
         """fp8: speculators' loaders collate the stored bytes (fp8_transport.py); bf16: as they are."""
         if not self.fp8:
             return None
-        from ..adapters import loader_dataset
         return loader_dataset(fp8_transport.dataset_class())
 
     def batch_step(self, device):

@@ -7,6 +7,7 @@ import os
 import time
 
 from ..storage import outdir
+from .flops import draft_flops_per_token, muon_flops_per_step, peak_flops
 
 
 log = logging.getLogger("eagle3")
@@ -96,7 +97,6 @@ class DenseLog(logging.Handler):
         """Once the model exists: its FLOPs a token (flops.draft_flops_per_token) and the device's peak, said once;
         under Muon, what its Newton-Schulz iterations add to each step (flops.muon_flops_per_step), which MFU
         leaves out and a wide draft feels."""
-        from .flops import draft_flops_per_token, muon_flops_per_step, peak_flops
         params = [(n, tuple(p.shape), p.requires_grad) for n, p in getattr(model, "module", model).named_parameters()]
         if any("flat_param" in n for n, _, _ in params):  # FSDP1's flattened parameters keep no shapes
             return

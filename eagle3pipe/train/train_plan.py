@@ -6,10 +6,15 @@ import dataclasses
 import logging
 import os
 
-from ..base import devices
-from ..storage import files
-from ..base.devices import available_ram
+from . import target_check
+from .. import adapters
+from ..base import compile_cache, compute, devices
+from ..base.devices import available_ram, visible_gpus
 from ..base.errors import UsageError
+from ..storage import files, input_watch, outdir
+from ..verifier import verifier
+from ..verifier.verifier_weights import say, verify
+from ..verifier.vllm_support import eagle3_refusal
 
 log = logging.getLogger("eagle3")
 
@@ -44,7 +49,6 @@ class Device:
 def check_device(s):
     """--device, --loss-implementation, --fsdp and --num-workers against this machine and launch (one nvidia-smi
     call, no torch)."""
-    from ..base.devices import visible_gpus
     gpus = visible_gpus()
     if s.device == "cuda" and not gpus:
         cvd = devices.visible_setting()
@@ -294,18 +298,13 @@ def plan(s, rank):
     recipe (what the installed speculators and vLLM can train and serve), the output folder, the three inputs
     against each other, the rows, split, sizes, memory and disk, the online engine, and the run's identity against
     an earlier run in the folder. -> Plan."""
-    from .. import adapters
-    from ..base import compute
-    from ..storage import input_watch, outdir
-    from . import online_plan, train_data, training
-    from ..verifier import verifier
+    from . import online_plan, train_data, training  # here, not at the top: they import numpy
     device = check_device(s)  # --device, --loss-implementation, --num-workers
     fp, tc = verifier.open_verifier(s.model_path, s.trust_remote_code)
     adapters.check_private("speculators")  # the private names adapters.py relies on, before torch loads
     recipe = training.recipe(s, fp, tc)
     training.check_draft_arch(recipe, tc, s.model_path)
     adapters.check_serves(recipe)  # an option the installed vLLM cannot serve: refused now, not after training
-    from ..verifier.vllm_support import eagle3_refusal
     unserved = eagle3_refusal(fp.get("architecture"))
     if unserved and rank == 0:  # another vLLM may have it: said before training, not after
         log.warning(f"{unserved}; the draft trains, but stage 05 and vLLM here will refuse it")
@@ -335,10 +334,9 @@ def plan(s, rank):
         check_resume(s, identity)
     watch = input_watch.stage04_inputs(s, prep, ext, voc)
     input_watch.watch_training(watch)  # re-checked at each checkpoint, and before the manifest
-    from ..verifier.verifier_weights import verify  # the last check (it imports transformers): the weights against the config
-    verify(s.model_path, s.trust_remote_code)  # said once the folder is taken (confirm_device)
+    # the last check (it imports transformers): the weights against the config; said once the folder is taken
+    verify(s.model_path, s.trust_remote_code)  # (confirm_device)
     # the targets speculators will train toward against the verifier's own distribution, on a few stored rows
-    from . import target_check
     targets = None if s.online else target_check.check(s, tc, ext, rows, failed, recipe["draft_arch"])
     return Plan(device, fp, tc, recipe, inputs, prep, ext, voc, rows, failed, dtype, states, identity, watch, targets)
 
@@ -347,11 +345,9 @@ def confirm_device(s, p, rank):
     """Once torch is imported: where training runs and its compute dtype, said first (torch may see no GPU where
     nvidia-smi saw one: then the CPU's dtype). -> (on_cpu, compute.Resolved)."""
     import torch
-    from ..base import compute
     on_cpu = s.device == "cpu" or (s.device == "auto" and torch.accelerator.current_accelerator() is None)
     dtype = compute.resolve(s.dtype, not on_cpu)
     if rank == 0:  # the first lines once every check has passed: the verifier's weights, the compute dtype and why
-        from ..verifier.verifier_weights import say
         say(s.model_path, s.trust_remote_code)
         if p.targets is not None:
             log.info(p.targets.describe())
@@ -359,8 +355,7 @@ def confirm_device(s, p, rank):
         if dtype.warning:
             log.warning(dtype.warning)
     if not on_cpu:  # on a GPU speculators compiles the draft's step. Chosen before torch._dynamo is imported (by
-        from ..base import compile_cache  # speculators): that import writes torch's default, in /tmp, into the setting
-        where, kept = compile_cache.prepare()
+        where, kept = compile_cache.prepare()  # speculators): that import writes torch's default, in /tmp, into it
         if rank == 0:
             log.info(f"torch.compile cache: {where}" + (" (a rerun, a resume or another run here reuses it)" if kept
                                                         else ""))

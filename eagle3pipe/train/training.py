@@ -8,17 +8,23 @@ config, packed batches, TTT steps, checkpoints with mid-epoch resume, DDP/FSDP u
 import contextlib
 import logging
 import os
+import signal
 import threading
 import time
+import warnings
 
+from . import checkpoints, train_data, warm_start
 from .. import adapters
-from . import checkpoints, train_data
-from ..base import devices
-from ..storage import files, outdir
-from ..drafts import mla_draft
-from .train_log import DenseLog
+from ..base import devices, lifeline
+from ..base.devices import available_ram
 from ..base.errors import UsageError
 from ..base.inherited import last_words
+from ..drafts import archs
+from ..storage import files, outdir
+from ..storage.input_watch import BatchGuard
+from .sample_cache import BACKEND, CACHE
+from .step_profile import StepProfile
+from .train_log import DenseLog
 
 
 log = logging.getLogger("eagle3")
@@ -36,16 +42,14 @@ def recipe(args, fp, text_cfg):
     is a draft layer for it: the MLA layer for an MLA verifier (DeepSeek-V3, Kimi) whose rope transformers and vLLM
     compute alike, Qwen3's for Qwen3, else Llama's."""
     name = args.draft_arch
-    if name == "auto" and mla_draft.is_mla(text_cfg):
-        why = mla_draft.refusal(text_cfg)
-        name = "llama" if why else mla_draft.MLA_ARCH.name
+    if name == "auto":
+        arch, why = archs.auto(fp, text_cfg)
+        name = arch.name
         if why:
-            log.warning(f"--draft-arch auto: a Llama-style draft, not the MLA one: {why}")
-    elif name == "auto":
-        name = "qwen3" if str(fp.get("model_type") or "").startswith("qwen3") else "llama"
+            log.warning(f"--draft-arch auto: {why}")
     nbf = args.norm_before_fc
-    if nbf is None:  # on unless the per-state fc_norm replaces it; vLLM's MLA draft has no norm before the FC layer
-        nbf = not args.fc_norm and not mla_draft.ARCHS[name].mla
+    if nbf is None:  # on unless the per-state fc_norm replaces it or the layer has none (vLLM's MLA draft)
+        nbf = not args.fc_norm and archs.ARCHS[name].norm_before_fc
     return {"draft_arch": name, "norm_before_fc": nbf, "fc_norm": args.fc_norm,
             "norm_output": args.norm_output, "loss_fn": args.loss_fn, "ttt_step_loss_decay": args.ttt_step_loss_decay,
             "optimizer": args.optimizer, "scheduler_type": args.scheduler}
@@ -70,18 +74,18 @@ def rope_misfit(text_cfg):
 
 
 def check_draft_arch(recipe_, text_cfg, model_path=""):
-    """--draft-arch deepseek needs an MLA verifier whose rope transformers and vLLM compute alike (mla_draft); the
+    """--draft-arch deepseek needs an MLA verifier whose rope transformers and vLLM compute alike (archs.DraftArch.misfit); the
     other drafts, a rope speculators can build (rope_misfit)."""
-    if not mla_draft.arch_of(recipe_).mla:
+    arch = archs.of(recipe_)
+    if arch.own_layer is None:
         why = rope_misfit(text_cfg)
         if why:
             raise UsageError(f"--model-path {model_path}: speculators cannot build this verifier's draft: {why}")
         return
-    why = None if mla_draft.is_mla(text_cfg) else "the verifier has no MLA attention (no kv_lora_rank in its config)"
-    why = why or mla_draft.refusal(text_cfg)
+    why = arch.misfit(text_cfg)
     if why:
-        raise UsageError(f"--draft-arch deepseek: {why}; use --draft-arch llama")
-    if recipe_.get("norm_before_fc"):
+        raise UsageError(f"--draft-arch {arch.name}: {why}; use --draft-arch llama")
+    if recipe_.get("norm_before_fc") and not arch.norm_before_fc:
         raise UsageError("--norm-before-fc: the MLA draft (--draft-arch deepseek, auto's choice for an MLA verifier) "
                          "has no norm before the FC layer in vLLM; use --fc-norm (a norm per state) or "
                          "--no-norm-before-fc, or --draft-arch llama")
@@ -92,7 +96,6 @@ def check_draft_memory(num_layers, text_cfg, draft_vocab, on_gpu):
     parameter, plus the verifier's frozen bf16 embedding) exceeds 90 % of the available RAM, before it is built."""
     if on_gpu:
         return
-    from ..base.devices import available_ram
     h = text_cfg["hidden_size"]
     inter = text_cfg.get("intermediate_size") or 4 * h
     trainable = num_layers * (4 * h * h + 3 * h * inter) + 3 * h * h + draft_vocab * h
@@ -112,7 +115,6 @@ def acknowledged_signals(again_after=2.0):
     speculators' handler only when the step returns to the interpreter): the C-level wakeup fd hands each signal to
     a thread here. A second signal (more than `again_after` s later: torchrun and the loader workers resend the
     first) stops at once; the folder still resumes from its last complete checkpoint."""
-    import signal
     r, w = os.pipe()
     os.set_blocking(w, False)
     try:
@@ -174,7 +176,7 @@ def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, 
             super().setup_model()
             if verifier_norm is not None:  # the targets through the verifier's own final norm (target_check.py)
                 adapters.own_verifier_norm(self.model, verifier_norm)
-            from ..storage.input_watch import BatchGuard  # a batch of no token is named and counted, never trained on silently
+            # a batch of no token is named and counted (BatchGuard), never trained on silently
             step = batch_step(self.local_rank) if batch_step else None  # fp8: dequantized on the GPU
             self.train_loader = BatchGuard(self.train_loader, steps=(profile, step))  # --profile-steps: rank 0
             dense_log.clock = self.train_loader.clock  # tok/s and data wait on our clock, around the loader
@@ -208,7 +210,7 @@ def make_trainer_class(dense_log, on_cpu, max_steps, measure=None, ttt_steps=3, 
         def val_epoch(self, epoch):
             if on_cpu:  # nothing is compiled on a CPU: speculators' own no_grad validation is the cheaper one
                 return super().val_epoch(epoch)
-            from . import warm_start  # through the training step's compiled graphs (warm_start.py says why)
+            # through the training step's compiled graphs (warm_start.py says why)
             validating = warm_start.for_validation(self.model, self.is_distributed and self.config.fsdp_shard)
             if validating is None:
                 return super().val_epoch(epoch)
@@ -231,9 +233,10 @@ DRAFT_LAYER = "draft_layer_config.json"  # an MLA draft's decoder-layer config, 
 
 def write_draft_layer(out, recipe_, text_cfg, num_layers):
     """Rank 0, before the data bridge the other ranks wait for: the MLA draft's layer config speculators builds it
-    from (mla_draft.layer_config)."""
-    if mla_draft.arch_of(recipe_).mla:
-        files.write_json(os.path.join(out, DRAFT_LAYER), mla_draft.layer_config(text_cfg, num_layers))
+    from (its own_layer's layer_config)."""
+    arch = archs.of(recipe_)
+    if arch.own_layer is not None:
+        files.write_json(os.path.join(out, DRAFT_LAYER), arch.own_layer.layer_config(text_cfg, num_layers))
 
 
 def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16", engine_url=None, dtype="bfloat16",
@@ -263,14 +266,13 @@ def train_config(args, bridge, aux_layer_ids, on_cpu, draft_vocab, storage="bf16
         "logger": "", "hidden_states_dtype": dtype,
     }
     if args.online:  # speculators' on-demand generation, through our transfer (online.py): cache first, then the engine
-        from .sample_cache import BACKEND, CACHE
         flat.update(hidden_states_backend=BACKEND, hidden_states_path=os.path.join(os.path.abspath(args.output_dir),
                     CACHE), on_missing="generate", vllm_endpoint=engine_url, generation_validation_retries=1,
                     request_timeout=600.0, prefetch_factor=2)
     if on_cpu:  # no Triton driver, no flex attention: torch's sdpa
         flat.update(draft_attn_impl="sdpa")
     flat.update(recipe_ or DEFAULT_RECIPE)
-    if mla_draft.arch_of(flat).mla:  # speculators' public draft_config: the MLA layer's (write_draft_layer)
+    if archs.of(flat).own_layer is not None:  # speculators' public draft_config: the layer's own (write_draft_layer)
         flat.update(draft_config=os.path.join(os.path.abspath(args.output_dir), DRAFT_LAYER), draft_arch=None)
     flat["loss_implementation"] = choose_loss(args.loss_implementation, on_cpu, draft_vocab, args.ttt_steps,
                                               flat["loss_fn"])
@@ -335,9 +337,6 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_s
     (the trainer's estimate chooses it); `batch_step(device)`: what each batch goes through before the trainer
     (train_data.OfflineData.batch_step), or None; `verifier_norm`: the verifier's own final norm where speculators'
     would compute the targets otherwise (target_check.py), or None."""
-    from .. import adapters
-    from ..base import lifeline
-    import warnings
     lifeline.start()  # data-loader and compile workers die with the stage too, however it ends
     warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
     # float32 compute: autocast says it does not know float32 and turns itself off, which is the point
@@ -349,7 +348,6 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_s
                      tokens_per_step=args.total_seq_len)
     profile = None
     if args.profile_steps and devices.rank() == 0:
-        from .step_profile import StepProfile
         profile = StepProfile(args.profile_steps, logs, not on_cpu)
     trainer_cls = make_trainer_class(dense, on_cpu, args.max_steps, measure, args.ttt_steps, dtype, batch_step,
                                      profile, verifier_norm)
@@ -371,10 +369,9 @@ def run(cfg, args, on_cpu, dtype="bfloat16", loaders=None, measure=None, batch_s
         if loaders is not None:
             stack.enter_context(loaders)
         if cfg.data.num_workers and not args.online:  # started now, its imports run while the model loads
-            from . import warm_start
             server = warm_start.WorkerServer().start()
             stack.enter_context(adapters.loader_workers(server.context, warm_start.worker_init))
-        for ctx in (adapters.muon_in_float32(dtype), adapters.recorded_artifacts(type(cfg)), mla_draft.layer(),
+        for ctx in (adapters.muon_in_float32(dtype), adapters.recorded_artifacts(type(cfg)), archs.known(),
                     acknowledged_signals()):
             stack.enter_context(ctx)
         scli.main(cfg)

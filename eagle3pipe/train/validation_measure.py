@@ -13,6 +13,9 @@ The trainer's estimate stays in the log and in each checkpoint's val_metrics.jso
 import logging
 import os
 import time
+from ..measures import acceptance
+from ..measures.acceptance import MEASURE_MAX_WEIGHT_BYTES
+from ..verifier.verifier import weights_bytes
 
 log = logging.getLogger("eagle3pipe")
 
@@ -38,8 +41,6 @@ def validation_prompts(rows, val_ratio, n):
 
 def plan(args, rows, aux_layer_ids, on_cpu):
     """-> a Measure, or None with one log line saying why `checkpoint_best` falls back to the trainer's estimate."""
-    from ..measures.acceptance import MEASURE_MAX_WEIGHT_BYTES
-    from ..verifier.verifier import weights_bytes
     why = None
     if args.measure_prompts == 0:
         why = "--measure-prompts 0"
@@ -73,7 +74,6 @@ class Measure:
         return f"{len(self.prompts)} held-out prompts, {self.max_new_tokens} tokens, k={self.k}"
 
     def _references(self):
-        from ..measures import acceptance
         t0 = time.time()
         self.refs = acceptance.references(self.model_path, self.prompts, self.k, self.max_new_tokens, self.layer_ids,
                                           "float32", self.device, self.trust_remote_code)
@@ -85,7 +85,6 @@ class Measure:
         """-> {"acceptance_length", "per_position", "prompts", "k", "max_new_tokens", "seconds"} for the draft in
         training (unwrapped from DDP/compile; eval mode for the forward, then back)."""
         import torch
-        from ..measures import acceptance
         if self.refs is None:
             self._references()
         m = model

@@ -28,6 +28,10 @@ import logging
 import multiprocessing
 import os
 import threading
+from multiprocessing import forkserver
+from ..adapters import interrupted
+from ..base import faults
+from ..base.inherited import child_pythonpath
 
 log = logging.getLogger("eagle3")
 
@@ -42,7 +46,6 @@ def server_env():
     would initialise the driver in the server and leave every process forked from it unable to use CUDA: "poisoned");
     one thread per pool, as speculators sets for its spawned workers; this repository on the path (the standard
     library's server does not take the stage's sys.path)."""
-    from ..base.inherited import child_pythonpath
     path = child_pythonpath(os.environ.get("PYTHONPATH"))
     return {"PYTORCH_NVML_BASED_CUDA_CHECK": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1", "PYTHONPATH": path}
@@ -72,7 +75,6 @@ def worker_init(worker_id):
 def _probe(conn):
     """What a worker does first, in a process forked from the server: its init, and a tensor handed back through
     shared memory as a batch is (it stays until the tensor is received: its memory is passed by descriptor)."""
-    from ..base import faults
     faults.kill_point("worker-probe")
     import torch
     torch.manual_seed(0)  # as torch's worker loop seeds each worker (CUDA's generators too, where it may)
@@ -92,7 +94,6 @@ class WorkerServer:
         self.modules, self.deadline, self.why, self.thread = list(modules), deadline, None, None
 
     def start(self):
-        from multiprocessing import forkserver
         self.ctx.set_forkserver_preload(self.modules)
         try:
             with _environ(server_env()):
@@ -120,7 +121,6 @@ class WorkerServer:
             proc.join(10)
             self.why = f"its probe worker died (exit code {proc.exitcode})"
         except Exception as e:  # noqa: BLE001 - any failure means: spawn the workers instead, and say why
-            from ..adapters import interrupted
             if interrupted(e):
                 raise
             self.why = f"{type(e).__name__}: {str(e)[:200]}"

@@ -5,8 +5,11 @@ nor cached is refused in one line when it does not; each exchange after the prob
 import os
 import re
 import threading
+import urllib.error
+import urllib.request
 from urllib.parse import urlsplit
 
+from ..base.deadlines import call, hub_seconds
 from ..base.errors import UsageError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -17,8 +20,6 @@ def hub_reachable(timeout=3.0):
     seconds in all: name lookup, connection, TLS and the answer's status line. Any status counts as an answer; an
     endpoint or proxy that accepts a connection and never answers does not. Without this probe, huggingface_hub
     and datasets retry for tens of seconds (or minutes) and print pages of tracebacks."""
-    import urllib.error
-    import urllib.request
     if not urlsplit(hub_endpoint()).hostname:
         return False
     answered = []
@@ -64,7 +65,6 @@ def hub_file(model_path, name, optional=False):
     if cached is not None and optional:  # the cache recorded that the repository has no such file
         return None
     require_hub("--model-path", model_path)
-    from ..base.deadlines import call, hub_seconds
     try:  # the probe answered; a server that stalls after it is bounded too
         return call(hf_hub_download, hub_seconds(), f"--model-path {model_path}: {name} from the hub", model_path, name)
     except UsageError:

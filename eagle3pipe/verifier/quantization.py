@@ -14,7 +14,10 @@ import math
 import os
 import re
 
+from ..base.compute import has_amx
 from ..base.errors import UsageError
+from ..storage.files import read_json
+from .weight_files import Bad, read_weights
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
                "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
@@ -24,18 +27,35 @@ PARTS = ("weight_packed", "weight_scale", "weight_shape")  # a packed Linear's t
 MAX_HEADER = 100_000_000  # a verifier's header: about 1 MB a shard for Kimi-K2.5's 64
 
 
+_TABLES = {}  # model path -> (its weight files' identities when read, the table)
+
+
+def _weight_files_identity(model_path):
+    """(name, device, inode, size, mtime) of each file the table is read from, or None when the folder cannot be
+    listed (read afresh then)."""
+    try:
+        names = sorted(n for n in os.listdir(model_path) if n.endswith((".safetensors", ".json")))
+        return tuple((n, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                     for n, st in ((n, os.stat(os.path.join(model_path, n))) for n in names))
+    except OSError:
+        return None
+
+
 def tensor_table(model_path):
     """{tensor name: (dtype, shape, shard)} of a local checkpoint, from its shards' headers (no data read), each read
-    whole as the format defines it (weight_files.py). A file that is not is one line naming it."""
-    from .weight_files import Bad, read_weights
-    try:
-        tensors = read_weights(model_path, MAX_HEADER, "a checkpoint's", any_names=True)
-    except Bad as e:
-        raise UsageError(f"--model-path {model_path}: {e}")
-    except OSError as e:
-        raise UsageError(f"--model-path {model_path}: {os.path.basename(e.filename or '') or 'weights'} unreadable "
-                         f"({e.strerror or e})")
-    return {k: (v[0], list(v[1]), v[4]) for k, v in tensors.items()}
+    whole as the format defines it (weight_files.py). A file that is not is one line naming it. Read once while the
+    files stay the same (the plan and the weights check both ask: Kimi-K2.5's 64 headers are 64 MB); a copy each."""
+    ident = _weight_files_identity(model_path)
+    if ident is None or _TABLES.get(model_path, (None,))[0] != ident:
+        try:
+            tensors = read_weights(model_path, MAX_HEADER, "a checkpoint's", any_names=True)
+        except Bad as e:
+            raise UsageError(f"--model-path {model_path}: {e}")
+        except OSError as e:
+            raise UsageError(f"--model-path {model_path}: {os.path.basename(e.filename or '') or 'weights'} "
+                             f"unreadable ({e.strerror or e})")
+        _TABLES[model_path] = (ident, {k: (v[0], tuple(v[1]), v[4]) for k, v in tensors.items()})
+    return {k: (d, list(shape), f) for k, (d, shape, f) in _TABLES[model_path][1].items()}
 
 
 def nbytes(entry):
@@ -108,8 +128,7 @@ def read(model_path, cfg=None, table=None):
     if not os.path.isdir(model_path):
         return None
     if cfg is None:
-        from ..storage.files import read_json
-        cfg = read_json(os.path.join(model_path, "config.json"))
+        cfg = read_json(os.path.join(model_path, "config.json"), once=True)
     where = f"--model-path {model_path}"
     table = tensor_table(model_path) if table is None else table
     packed = sorted(k[:-len(".weight_packed")] for k in table if k.endswith(".weight_packed"))
@@ -240,7 +259,6 @@ def vllm_kernel(q, on_gpu, has_amx):
 
 def kernel_here(quant, on_gpu):
     """vllm_kernel for this machine: (True, what runs it) or (False, why not)."""
-    from ..base.compute import has_amx
     return vllm_kernel(quant, on_gpu, has_amx())
 
 

@@ -7,14 +7,18 @@ stored after them.
 """
 import glob
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 import re
 
+from ..adapters import _dist
 from ..base.errors import UsageError
 from ..storage import files
-from ..storage.files import read_json
+from ..storage.files import read_json, open_input
 from .hub import HUB_ID, hub_file
+from .quantization import tensor_table
 
 LAYER_ID_CONVENTION = ("id k < n = input of decoder layer k (0 = embedding output); id n = output of the "
                        "last decoder layer before the final norm")
@@ -44,7 +48,7 @@ def model_files(model_path):
         folder = os.path.dirname(cfg_path)
     else:
         raise UsageError(f"--model-path {model_path}: folder not found (and not a hub id like org/name)")
-    cfg = read_json(cfg_path)
+    cfg = read_json(cfg_path, once=True)
     if not isinstance(cfg, dict):
         raise UsageError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
     return cfg, folder
@@ -65,7 +69,6 @@ def open_verifier(model_path, trust_remote_code):
 
 
 def _json_or_refuse(path, data):
-    import json
     try:
         json.loads(data)
     except (ValueError, RecursionError) as e:
@@ -95,7 +98,6 @@ def fingerprint(model_path):
         if os.path.isfile(p):
             found.append(name)
             h.update(name.encode())
-            from ..storage.files import open_input
             with open_input(p, "rb") as f:
                 data = f.read()
             h.update(hashlib.sha256(data).digest())
@@ -126,7 +128,6 @@ def weights_sample(folder, samples=64, chunk=16384):
     for name in sorted(os.listdir(folder)):
         if not name.endswith((".safetensors", ".bin", ".pt", ".gguf")):
             continue
-        from ..storage.files import open_input
         with open_input(os.path.join(folder, name), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             h.update(f"{name}\0{size}\0".encode())
@@ -140,8 +141,6 @@ def weights_sample(folder, samples=64, chunk=16384):
 def _transformers_knows():
     """(model types, tokenizer class names without 'Fast') of the installed transformers, read from its source:
     importing transformers imports torch (seconds), and this check runs before anything heavy. None if not found."""
-    import glob
-    import importlib.util
     spec = importlib.util.find_spec("transformers")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -149,7 +148,6 @@ def _transformers_knows():
 
     def read(path):
         try:
-            from ..storage.files import open_input
             with open_input(path, encoding="utf-8") as f:
                 return f.read()
         except OSError:
@@ -189,7 +187,6 @@ def check_remote_code(model_path, trust_remote_code):
                          f"{model_type!r} unknown to the installed transformers); {hint}")
     if isinstance(model_type, str) and model_type not in types:  # neither transformers nor vLLM (whose config is
         # transformers') can build it: every backend would fail as it loads, after the folder was taken
-        from ..adapters import _dist
         dist = _dist("transformers")
         raise UsageError(f"--model-path {model_path}: config.json's model_type {model_type!r} is no family the "
                          f"installed transformers{f' ({dist.version})' if dist else ''} knows, and the model ships no "
@@ -264,7 +261,6 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 def _tensor_dtypes(model_path):
     """{tensor name: safetensors dtype} of a local checkpoint, from its index and shard headers (no torch)."""
-    from .quantization import tensor_table
     return {k: v[0] for k, v in tensor_table(model_path).items()}
 
 
@@ -311,7 +307,6 @@ def check_chat_files(model_path):
     templates = []  # (where, text)
     jinja = os.path.join(model_path, "chat_template.jinja")
     if os.path.isfile(jinja):
-        from ..storage.files import open_input
         try:
             with open_input(jinja, encoding="utf-8") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -378,7 +373,6 @@ def check_weights(model_path):
     names = os.listdir(model_path)
     if any(n.endswith(".safetensors") for n in names) or os.path.isfile(
             os.path.join(model_path, "model.safetensors.index.json")):
-        from .quantization import tensor_table
         tensor_table(model_path)
     elif not any(n.endswith((".bin", ".pt")) for n in names):
         gguf = sorted(n for n in names if n.endswith(".gguf"))
@@ -394,7 +388,6 @@ def weights_bytes(model_path):
         return None  # a hub id: unknown until downloaded
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        from ..storage.files import read_json
         index = read_json(index)
         meta = index.get("metadata") if isinstance(index, dict) else None
         total = meta.get("total_size") if isinstance(meta, dict) else None  # else the files' sizes: the weights

@@ -26,13 +26,21 @@ as one is ignored and made again.
 """
 import dataclasses
 import functools
+import hashlib
+import importlib.metadata
+import json
 import logging
 import math
 import os
 import re
 
+from . import quantization
+from .. import adapters
+from ..base.compile_cache import distrust, setting_kept
 from ..base.errors import UsageError
-from .weight_files import ST_BYTES
+from ..storage.files import read_json
+from .verifier import _transformers_knows, text_config
+from .weight_files import ST_BYTES, INDEX, Bad, read_index
 
 log = logging.getLogger("eagle3")
 
@@ -60,10 +68,6 @@ CACHE_VERSION = 1
 
 def _cache_file(text_cfg):
     """Where the definition of `text_cfg` under the installed transformers is kept, or None (no trusted folder)."""
-    import hashlib
-    import importlib.metadata
-    import json
-    from ..base.compile_cache import distrust
     try:
         version = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
@@ -78,7 +82,6 @@ def _cache_file(text_cfg):
 
 
 def _cached(path):
-    import json
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
@@ -95,7 +98,6 @@ def _cached(path):
 def _keep(path, d):
     """Write the definition beside the others: a fresh private file renamed into place (the folder is this user's
     alone, compile_cache.distrust); a failure costs only the next run's second."""
-    import json
     raw = {"arch": d.arch, "tensors": {k: [v[0], v[1]] for k, v in d.tensors.items()}, "tied": sorted(d.tied),
            "skip": list(d.skip), "spare": list(d.spare), "base": d.base, "embedding": d.embedding}
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -124,15 +126,12 @@ def definition(cfg, text_cfg, model_path, trust_remote_code):
 
 def _known(model_type):
     """Whether the installed transformers has a config for `model_type`, read without importing it."""
-    from .verifier import _transformers_knows
     knows = _transformers_knows()
     return knows is not None and isinstance(model_type, str) and model_type in knows[0]
 
 
 def _build(cfg, text_cfg, model_path, trust_remote_code):
     """The Definition, from transformers' class for the family built on the meta device."""
-    from .. import adapters
-    from ..base.compile_cache import setting_kept
     adapters.check_private("transformers")
     with setting_kept():  # stage 04 chooses the compile cache later (compile_cache.py)
         import torch
@@ -297,14 +296,10 @@ def verify(model_path, trust_remote_code):
     come) -> the plan's line, or None. Headers first (no torch), then the definition."""
     if not os.path.isdir(model_path):
         return None
-    from . import quantization
-    from ..storage.files import read_json
-    from .verifier import text_config
-    from .weight_files import INDEX, Bad, read_index
     names = os.listdir(model_path)
     if not any(n.endswith(".safetensors") for n in names) and INDEX not in names:
         return "PyTorch .bin weights: their names are read only as they load (pickle), not checked here"
-    cfg = read_json(os.path.join(model_path, "config.json"))
+    cfg = read_json(os.path.join(model_path, "config.json"), once=True)
     table = quantization.tensor_table(model_path)
     try:
         wmap = read_index(model_path) if INDEX in names else {}

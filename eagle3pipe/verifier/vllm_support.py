@@ -12,8 +12,11 @@ import time), and any installed vLLM plugin that may register classes, all answe
 """
 import ast
 import functools
+import importlib.metadata
 import importlib.util
 import os
+
+from ..adapters import _dist
 
 INTERFACE = "SupportsEagle3"
 
@@ -67,7 +70,6 @@ def registry():
 
 def _plugins():
     """Entry points that may register model classes with vLLM at run time, other than vLLM's own."""
-    import importlib.metadata
     found = []
     for group in ("vllm.general_plugins", "vllm.platform_plugins"):
         found += [e for e in importlib.metadata.entry_points(group=group) if not e.value.startswith("vllm.")]
@@ -167,8 +169,7 @@ def installed():
 
 
 def version():
-    from ..adapters import _dist  # the installed distribution, under either of vLLM's names
-    dist = _dist("vllm")
+    dist = _dist("vllm")  # the installed distribution, under either of vLLM's names
     return dist.version if dist else "?"
 
 

@@ -14,6 +14,7 @@ import os
 import struct
 
 from ..base.errors import UsageError
+from ..storage.files import open_input, read_json
 
 ST_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -48,7 +49,6 @@ def _int(v):
 def read_header(path, shown, max_header, whose):
     """-> {tensor: (dtype, shape, file offset, path, shown)}; `shown`: how refusals name the file; `whose`: whose
     header `max_header` bounds ("a draft's")."""
-    from ..storage.files import open_input
     with open_input(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size < 8:
@@ -99,7 +99,6 @@ def read_header(path, shown, max_header, whose):
 
 def read_index(folder):
     """-> {tensor: file} of the folder's model.safetensors.index.json, each file a .safetensors name beside it."""
-    from ..storage.files import read_json
     try:
         wmap = read_json(os.path.join(folder, INDEX))
     except UsageError as e:

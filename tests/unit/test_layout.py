@@ -127,3 +127,60 @@ def test_every_import_follows_the_wings_rule():
             if (not stage and b > a) or (stage and b == a and wa != wb):
                 against.append(f"{m} ({wa}) -> {d} ({wb})")
     assert not against, against
+
+
+def _third_party_at_top(mods):
+    """{module: whether importing it loads a library beyond the standard one (its top-level imports, transitively)}."""
+    import sys
+    tops = {}
+    for m, path in mods.items():
+        package = m if path.endswith("__init__.py") else m.rsplit(".", 1)[0]
+        deps, outside = set(), False
+        for n in ast.parse(open(path, encoding="utf-8").read()).body:
+            for x in [n] if isinstance(n, (ast.Import, ast.ImportFrom)) else []:
+                if isinstance(x, ast.ImportFrom) and x.level:
+                    base = package.split(".")
+                    target = ".".join(base[:len(base) - (x.level - 1)]) + ("." + x.module if x.module else "")
+                    deps |= {target + "." + a.name if target + "." + a.name in mods else target for a in x.names}
+                else:
+                    names = [a.name for a in x.names] if isinstance(x, ast.Import) else [x.module or ""]
+                    outside |= any(r.split(".")[0] not in sys.stdlib_module_names and not r.startswith("eagle3pipe")
+                                   for r in names)
+        tops[m] = (outside, deps & set(mods))
+    memo = {}
+
+    def loads(m, seen=()):
+        if m not in memo:
+            memo[m] = tops[m][0] or any(loads(d, seen + (m,)) for d in tops[m][1] if d not in seen)
+        return memo[m]
+    return {m: loads(m) for m in mods}
+
+
+def test_imports_go_at_the_top_unless_a_library_would_load():
+    """An import inside a function is one of a library beyond the standard one (torch, transformers, numpy: what a
+    stage loads only once its checks pass), or of a module of ours that loads one, or it says why in a comment on its
+    line. The standard library and our light modules are imported at the top, where the file's arrows show."""
+    import sys
+    mods = _modules()
+    heavy = _third_party_at_top(mods)
+    hidden = []
+    for m, path in mods.items():
+        src = open(path, encoding="utf-8").read()
+        lines, package = src.splitlines(), m if path.endswith("__init__.py") else m.rsplit(".", 1)[0]
+        for fn in ast.walk(ast.parse(src)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for x in ast.walk(fn):
+                if not isinstance(x, (ast.Import, ast.ImportFrom)) or "#" in lines[x.lineno - 1]:
+                    continue
+                if isinstance(x, ast.ImportFrom) and x.level:
+                    base = package.split(".")
+                    target = ".".join(base[:len(base) - (x.level - 1)]) + ("." + x.module if x.module else "")
+                    ours = [target + "." + a.name if target + "." + a.name in mods else target for a in x.names]
+                    if not any(heavy.get(d) for d in ours):
+                        hidden.append(f"{m}:{x.lineno} {lines[x.lineno - 1].strip()}")
+                else:
+                    names = [a.name for a in x.names] if isinstance(x, ast.Import) else [x.module or ""]
+                    if all(r.split(".")[0] in sys.stdlib_module_names for r in names):
+                        hidden.append(f"{m}:{x.lineno} {lines[x.lineno - 1].strip()}")
+    assert not hidden, hidden

@@ -128,12 +128,23 @@ def test_a_rope_whose_factor_lists_do_not_cover_the_whole_head_is_refused():
 
 
 def test_every_draft_layer_is_a_choice_and_checked_where_served():
-    """The settings record's choices (04_train.py's flag takes the same) and the serve checks come from
-    mla_draft.ARCHS: a layer added there is a choice and has its vLLM model checked before training."""
+    """The settings record's choices (04_train.py's flag takes the same) and the serve checks come from the registry
+    (drafts/archs.py): a layer added there is a choice and has its vLLM model checked before training; auto picks a
+    family's own layer only where the verifier fits it."""
     import dataclasses
     from eagle3pipe.config import settings
+    from eagle3pipe.drafts import archs
     rule = next(f for f in dataclasses.fields(settings.Train) if f.name == "draft_arch").metadata
-    assert tuple(rule["choices"]) == ("auto", *mla_draft.ARCHS) == ("auto", "llama", "qwen3", "deepseek")
-    assert {f"draft_arch={name}" for name in mla_draft.ARCHS} <= set(adapters.SERVES)
-    assert [a.name for a in mla_draft.ARCHS.values() if a.mla] == [mla_draft.MLA_ARCH.name] == ["deepseek"]
-    assert mla_draft.arch_of({"draft_arch": "qwen3"}) == mla_draft.ARCHS["qwen3"] and not mla_draft.ARCHS["qwen3"].mla
+    assert tuple(rule["choices"]) == ("auto", *archs.ARCHS) == ("auto", "llama", "qwen3", "deepseek")
+    assert {f"draft_arch={name}" for name in archs.ARCHS} <= set(adapters.SERVES)
+    assert [a.name for a in archs.ARCHS.values() if a.own_layer is mla_draft] == ["deepseek"]
+    assert archs.of({"draft_arch": "qwen3"}) == archs.ARCHS["qwen3"] and archs.ARCHS["qwen3"].own_layer is None
+    assert [a.name for a in archs.ARCHS.values() if not a.norm_before_fc] == ["deepseek"]
+    mla = {"kv_lora_rank": 512, "hidden_size": 64, "num_attention_heads": 4}
+    assert archs.auto({"model_type": "deepseek_v3"}, mla) == (archs.ARCHS["deepseek"], None)
+    assert archs.auto({"model_type": "qwen3"}, {}) == (archs.ARCHS["qwen3"], None)
+    assert archs.auto({"model_type": "llama"}, {}) == (archs.LLAMA, None)
+    arch, why = archs.auto({"model_type": "deepseek_v3"}, {**mla, "rope_scaling": {"rope_type": "yarn", "mscale": 1}})
+    assert arch is archs.LLAMA and why.startswith("a Llama-style draft, not the MLA one: its rope settings give only")
+    assert archs.ARCHS["llama"].misfit({}) is None
+    assert "no MLA attention" in archs.ARCHS["deepseek"].misfit({"hidden_size": 64})
