@@ -14,6 +14,7 @@ import json
 import os
 import stat
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -462,3 +463,19 @@ def assert_stage05_report(ev, p, rep, engines, prompts=6, k=3, measured=True):
         assert got["drafts"] > 0 and abs(got["acceptance_length"] - row["acceptance_length"]) <= MEASURE_LENGTH, row
         assert len(got["per_position"]) == len(row["per_position"]) == k, row
         assert all(abs(a - b) <= MEASURE_POSITION for a, b in zip(got["per_position"], row["per_position"])), row
+
+
+def setup_checkout(tmp_path):
+    """A repository holding scripts/setup.sh and scripts/lib.sh alone, to run setup in."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    for name in ("setup.sh", "lib.sh"):
+        shutil.copy(os.path.join(REPO, "scripts", name), root / "scripts")
+    return root
+
+
+def offline_env(wheels):
+    """This process's environment without pip's own settings (this machine's index folders and find-links), with an
+    empty folder of wheels: setup can install nothing but what the folder holds."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "VIRTUAL_ENV"}
+    return {**env, "PIP_CONFIG_FILE": os.devnull, "EAGLE3_WHEELS": str(wheels)}

@@ -27,6 +27,7 @@ import weakref
 
 from ..base.deadlines import TemplateTimeout, template_seconds, time_budget, call, hub_seconds
 from ..base.errors import UsageError
+from ..storage.files import read_json
 
 
 class TemplateError(Exception):
@@ -88,8 +89,33 @@ def _budgeted(tok, fn, *args, **kwargs):
         raise too_slow(tok, seconds) from None
 
 
+def _cause(e):
+    """An exception's message in one line: its first line, and the next where the first ends in a colon."""
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    if not lines:
+        return type(e).__name__
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
+def _check_config(model_path, trust_remote_code):
+    """config.json as transformers reads it, before the tokenizer (which reads it too, and whose failure would
+    otherwise be blamed for it): a field of the wrong type or value is one line naming config.json."""
+    from transformers import AutoConfig
+    try:
+        AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (UsageError, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the family's config class raises
+        if "trust_remote_code" in str(e):
+            return  # the tokenizer's own line says it
+        raise UsageError(f"--model-path {model_path}: config.json: transformers cannot read it: "
+                         f"{type(e).__name__}: {_cause(e)}") from None
+
+
 def load_tokenizer(model_path, trust_remote_code=False):
     from transformers import AutoTokenizer
+    if os.path.isdir(model_path) and os.path.isfile(os.path.join(model_path, "config.json")):
+        _check_config(model_path, trust_remote_code)
     try:
         if os.path.isdir(model_path):
             tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
@@ -110,8 +136,7 @@ def load_tokenizer(model_path, trust_remote_code=False):
         if isinstance(e, (OSError, ImportError)) and not os.path.isdir(model_path):
             raise  # the hub's or the network's failure: its own one line (cli.run)
         # the tokenizer's own code (or its files) failed as it loaded: the verifier's fault, not a run's
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UsageError(f"--model-path {model_path}: its tokenizer failed to load: {type(e).__name__}: {cause}")
+        raise UsageError(f"--model-path {model_path}: its tokenizer failed to load: {type(e).__name__}: {_cause(e)}")
     if not getattr(tok, "chat_template", None):
         raise UsageError(f"--model-path {model_path}: the tokenizer has no chat template")
     _check_deterministic(tok, model_path)
@@ -416,30 +441,78 @@ def tokenize_conversation(tok, messages, max_seq_len, tools=None):
     whole = _offsets(tok, full[:cap] if len(full) > cap else full)
     limit = whole[1][max_seq_len][0] if whole is not None and len(whole[0]) > max_seq_len else None
     full, spans, unaligned = assistant_spans(tok, messages, full, limit, tools)
-    ids, mask = [], []
+    ids, mask, which = [], [], []  # which: the span each trained token lies in (-1: none)
     if whole is not None:
         ids, k = whole[0], 0
         for a, b in whole[1]:  # offsets ascend: one pass over the spans
             while k < len(spans) and spans[k][1] <= a:
                 k += 1
             mask.append(int(k < len(spans) and spans[k][0] <= a and b <= spans[k][1]))
+            which.append(k if mask[-1] else -1)
     else:
         pieces, pos = [], 0
-        for start, end in spans:
-            pieces += [(full[pos:start], 0), (full[start:end], 1)]
+        for k, (start, end) in enumerate(spans):
+            pieces += [(full[pos:start], 0, -1), (full[start:end], 1, k)]
             pos = end
-        pieces.append((full[pos:], 0))
-        for text, m in pieces:
+        pieces.append((full[pos:], 0, -1))
+        for text, m, k in pieces:
             if not text:
                 continue
             t = _encode(tok, text)["input_ids"]
             ids += t
             mask += [m] * len(t)
+            which += [k] * len(t)
             if len(ids) > max_seq_len:
                 break  # the rest would be cut anyway
+    offsets = whole and whole[1]
+    after_stop = _untrain_after_stop(tok, full, ids, mask, offsets, which)
     info = {"unaligned": unaligned, "truncated": len(ids) > max_seq_len,
-            "answered": _answered(tok, full, ids[:max_seq_len], mask, whole and whole[1])}
+            "answered": _answered(tok, full, ids[:max_seq_len], mask, offsets), "after_stop": after_stop}
     return ids[:max_seq_len], mask[:max_seq_len], info
+
+
+_stops = weakref.WeakKeyDictionary()  # tokenizer -> the token ids its verifier stops generating at
+
+
+def stop_ids(tok):
+    """The ids the verifier's generation ends at: the tokenizer's end of text and generation_config.json's
+    eos_token_id (one or a list), as vLLM stops."""
+    if tok not in _stops:
+        ids = {tok.eos_token_id} if isinstance(tok.eos_token_id, int) else set()
+        path = os.path.join(getattr(tok, "name_or_path", "") or "", "generation_config.json")
+        if os.path.isfile(path):
+            try:
+                eos = read_json(path).get("eos_token_id")
+            except (UsageError, AttributeError):
+                eos = None
+            ids |= {e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)}
+        _stops[tok] = frozenset(ids)
+    return _stops[tok]
+
+
+def _untrain_after_stop(tok, full, ids, mask, offsets, which):
+    """Within each trained run, what follows a stop token is never generated: vLLM ends the answer there. Text a
+    template closes the last render with (Phi-3's end of text after its end of turn), a turn it appends after the
+    answer, an answer that itself holds the end-of-turn marker: untrained (in place) from the stop token on. Blank
+    text after it (ChatML's newline after <|im_end|>) stays as the turn's close. -> how many tokens were untrained."""
+    stops, cut, k, n = stop_ids(tok), 0, 0, min(len(ids), len(mask))
+    if not stops:
+        return 0
+    while k < n:
+        if not (mask[k] and ids[k] in stops):
+            k += 1
+            continue
+        end = k + 1  # the rest of this answer's span (the next answer's span may follow at once)
+        while end < n and mask[end] and which[end] == which[k]:
+            end += 1
+        rest = range(k + 1, end)
+        text = "".join(full[offsets[j][0]:offsets[j][1]] if offsets else tok.decode([ids[j]]) for j in rest)
+        if text.strip():
+            for j in rest:
+                mask[j] = 0
+            cut += len(rest)
+        k = end
+    return cut
 
 
 def _answered(tok, full, ids, mask, offsets):

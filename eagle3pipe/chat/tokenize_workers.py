@@ -171,10 +171,18 @@ def outcomes(records, tok, max_seq_len, workers):
 def probe(tok, records, max_seq_len):
     """The first record rendered and tokenized once, in a process the stage can kill: a template past its time budget
     or a tokenizer that panics is one line naming it and the record before the folder is taken. A template that
-    refuses the record is the loop's business (counted there), not a refusal."""
-    for kind, *rest in outcomes(records[:1], tok, max_seq_len, count(1, len(records))):
+    refuses the record is the loop's business (counted there), not a refusal. Rendered twice: a template that
+    renders the same conversation otherwise each time (a `random` filter) makes rows no later render matches."""
+    seen = []
+    for kind, *rest in outcomes(records[:1] * 2, tok, max_seq_len, count(1, len(records))):
         if kind in ("slow", "panic"):
             raise UsageError(f"record {records[0][0]}: {rest[0]}")
+        seen.append((kind, (list(rest[0]), list(rest[1])) if kind == "ok" else None))
+    if seen[0][0] == seen[1][0] == "ok" and seen[0][1] != seen[1][1]:
+        where = getattr(tok, "name_or_path", "") or "the tokenizer"
+        raise UsageError(f"record {records[0][0]}: the chat template of {where} renders the same conversation "
+                         f"differently each time (a random choice in it): its rows would match no other render of it, "
+                         f"the verifier's included; fix the template")
 
 
 def mapped(items, fn, workers, slow):

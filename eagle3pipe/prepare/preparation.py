@@ -141,6 +141,7 @@ def tokenize_rows(records, tok, args, vocab, skipped, n_read, log):
             ids, mask, meta = result
             counts["opening_turns_dropped"] += meta.get("opening_turns_dropped", 0)
             counts["unaligned_turns"] += meta["unaligned"]
+            counts["untrained_after_stop"] += meta.get("after_stop", 0)
             counts["truncated"] += meta["truncated"]
             turns += sum(m["role"] == "assistant" for m in messages)
             if not any(mask):

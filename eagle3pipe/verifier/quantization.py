@@ -81,6 +81,7 @@ class Quantization:
     deepseek_routing: bool = False  # experts routed as DeepSeek-V3 does (grouped, sigmoid scores, a bias)
     uneven: str = ""        # fp8: the first weight whose shape is no multiple of its scale blocks ("": none)
     config: str = "{}"      # the quantization_config as JSON (what transformers' quantizer is built from)
+    misnamed: str = ""      # fp8: a per-tensor scale named weight_scale (vLLM's name; transformers reads _inv)
 
     @property
     def routed_experts(self):
@@ -141,7 +142,8 @@ def read(model_path, cfg=None, table=None):
     stored = sum(nbytes(e) for e in table.values())
     method = str(q.get("quant_method") or "unknown")
     if method == "fp8":
-        return Quantization(method, "fp8", 8, 0, True, (), 0, stored, stored, uneven=_fp8_blocks(q, table, where),
+        uneven, misnamed = _fp8_blocks(q, table, where)
+        return Quantization(method, "fp8", 8, 0, True, (), 0, stored, stored, uneven=uneven, misnamed=misnamed,
                             config=json.dumps(q))
     if method != "compressed-tensors" or q.get("format") != "pack-quantized":
         return Quantization(method if method != "compressed-tensors" else f"compressed-tensors {q.get('format')}",
@@ -194,14 +196,14 @@ FLOAT_SCALES = ("F32", "BF16", "F16")
 def _fp8_blocks(q, table, where):
     """Each F8 weight's scale against the config's blocks (weight_block_size; transformers' default [128, 128];
     null: one scale a tensor): its grid [ceil(out / b0), ceil(in / b1)] in floating point, or a traceback at load.
-    -> the first weight whose shape the blocks do not divide ("" for none): on a CPU, where transformers dequantizes,
-    it derives a block from the grid, and a grid that does not divide the weight fails there (or, 100 rows in blocks
-    of 32 read as 4 blocks of 25, dequantizes wrongly)."""
+    -> (the first weight whose shape the blocks do not divide: on a CPU, where transformers dequantizes, it derives a
+    block from the grid, and a grid that does not divide the weight fails there (or, 100 rows in blocks of 32 read as
+    4 blocks of 25, dequantizes wrongly); the first per-tensor scale named weight_scale), "" for none."""
     block = q.get("weight_block_size", [128, 128])
     if block is not None and not (isinstance(block, (list, tuple)) and len(block) == 2 and
                                   all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise UsageError(f"{where}: quantization_config's weight_block_size {block!r} is not two positive integers")
-    uneven = ""
+    uneven = misnamed = ""
     for k, (dtype, shape, shard) in table.items():
         if not (dtype.startswith("F8_") and k.endswith(".weight")):
             continue
@@ -209,6 +211,12 @@ def _fp8_blocks(q, table, where):
         if scale is None:
             continue  # verifier_weights names a weight without its scale
         s_dtype, s_shape, s_shard = table[scale]
+        if scale.endswith(".weight_scale") and block is not None:  # vLLM and transformers read blocks' scales so
+            raise UsageError(f"{where}: {s_shard}: {scale}: the fp8 weight {k}'s block scales are named weight_scale; "
+                             f"quant_method fp8 reads them as {k[:-len('.weight')]}.weight_scale_inv (the scales "
+                             f"would be left unset)")
+        if scale.endswith(".weight_scale") and not misnamed:
+            misnamed = scale  # one scale a tensor (AutoFP8's names): vLLM reads it; transformers wants weight_scale_inv
         if block is None:
             need = "one value"
             ok = math.prod(s_shape) == 1
@@ -221,7 +229,7 @@ def _fp8_blocks(q, table, where):
             raise UsageError(f"{where}: {s_shard}: {scale} is {s_dtype} {s_shape}; the fp8 weight {k} {shape} in "
                              f"blocks of {block} needs {need} in floating point (F32, BF16 or F16): the scales or the "
                              f"config's weight_block_size are wrong")
-    return uneven
+    return uneven, misnamed
 
 
 def deepseek_routing(cfg):
@@ -271,8 +279,13 @@ def transformers_refusal(quant, on_gpu, dtype):
     if quant is None:
         return None
     why = _quantizer_refusal(json.loads(quant.config), on_gpu)
-    if why or quant.method != "fp8" or on_gpu:
+    if why or quant.method != "fp8":
         return why
+    if quant.misnamed:
+        return (f"its fp8 scales are named weight_scale ({quant.misnamed}), which vLLM reads and transformers does not "
+                f"(it reads weight_scale_inv and would run the weights unscaled)")
+    if on_gpu:
+        return None
     if quant.uneven:
         return (f"the verifier is fp8, which transformers dequantizes on a CPU by blocks it reads from each scale's "
                 f"grid, and {quant.uneven} is no whole number of blocks (wrong weights or a failed load); run it on a "

@@ -48,7 +48,7 @@ def test_chatml_masks_exactly_the_assistant_turns(tokenizer):
     full = tokenizer.apply_chat_template(CONV, tokenize=False)
     assert tokenizer.decode(ids) == full
     assert "You are a helpful AI assistant named SmolLM" in full  # the injected default system prompt
-    assert info == {"unaligned": 0, "truncated": False, "answered": True}
+    assert info == {"unaligned": 0, "truncated": False, "answered": True, "after_stop": 0}
 
 
 def test_system_prompt_given_and_conversation_opening_with_assistant(tokenizer):
@@ -209,6 +209,56 @@ def test_answers_whose_text_reaches_no_trained_token_are_not_trained(tokenizer):
     assert masked_spans(tok, ids, mask) == ["<|im_end|>\n", "<|im_end|>\n"] and info["answered"] is False
 
 
+def test_what_follows_a_stop_token_in_an_answer_s_span_is_not_trained(tokenizer):
+    """Found by a held-out probe: vLLM ends an answer at the verifier's stop token, but a template that closes its
+    last render with more text (Phi-3's end of text after the end of turn) had that text trained, and so had the rest
+    of an answer that holds the end-of-turn marker itself. ChatML's newline after <|im_end|> stays: blank."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}<|endoftext|>{% endif %}")
+    assert masks.stop_ids(tok) == {tok.convert_tokens_to_ids("<|im_end|>")}
+    ids, mask, info = masks.tokenize_conversation(tok, CONV, 4096)
+    assert masked_spans(tok, ids, mask) == ["I am a helpful assistant.<|im_end|>\n", "2+2 equals 4.<|im_end|>"]
+    assert info["after_stop"] == 2
+    conv = CONV[:1] + [{"role": "assistant", "content": "Done.<|im_end|>\n<|im_start|>user\nmore"}]
+    ids, mask, info = masks.tokenize_conversation(tokenizer, conv, 4096)
+    assert masked_spans(tokenizer, ids, mask) == ["Done.<|im_end|>"] and info["after_stop"] > 3
+
+
+def test_a_template_that_renders_at_random_is_refused_before_the_folder_is_taken(tokenizer):
+    """Found by a held-out probe: a template with a random choice in its header rendered each conversation
+    otherwise each time; the rows then matched no other render. The first record is rendered twice."""
+    from eagle3pipe.base.errors import UsageError
+    from eagle3pipe.chat import tokenize_workers
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ ['user', 'human', 'person', 'you'] | random if "
+                         "m.role == 'user' else m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    records = [("r0", CONV * 8, None)]  # eight user turns: the same render twice by chance is 4**-16
+    with pytest.raises(UsageError, match=r"record r0: the chat template of .* renders the same conversation "
+                                         r"differently each time"):
+        tokenize_workers.probe(tok, records, 4096)
+    tokenize_workers.probe(tokenizer, records, 4096)
+
+
+def test_a_config_transformers_cannot_read_is_named_not_the_tokenizer(model_path, tmp_path):
+    """Found by a held-out probe: config.json's faults (heads that do not divide the width) surfaced as the
+    tokenizer's ("its tokenizer failed to load"), the message cut at its colon."""
+    import json
+    import shutil
+    from eagle3pipe.base.errors import UsageError
+    d = tmp_path / "m"
+    d.mkdir()
+    for name in os.listdir(model_path):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_path, name), d / name)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 7}))
+    with pytest.raises(UsageError, match=r"config.json: transformers cannot read it: \w+: .*The hidden size \(576\) "
+                                         r"is not a multiple of the number of attention heads \(7\)"):
+        masks.load_tokenizer(str(d))
+
+
 def test_a_tokenizer_that_splits_at_random_is_refused(model_path, tmp_path):
     """BPE dropout in tokenizer.json: the same text split otherwise at every call, never as the verifier's engine
     splits it (found by a held-out probe: accepted silently)."""
@@ -360,7 +410,7 @@ def test_tool_calls_render_where_the_template_puts_them_with_tools_in_every_rend
             {"role": "tool", "content": "A"}, {"role": "tool", "content": "B"},
             {"role": "assistant", "content": "a is A, b is B."}]
     ids, mask, info = masks.tokenize_conversation(tok, conv, 4096, tools)
-    assert info == {"unaligned": 0, "truncated": False, "answered": True}
+    assert info == {"unaligned": 0, "truncated": False, "answered": True, "after_stop": 0}
     assert tok.decode(ids) == tok.apply_chat_template(conv, tools=tools, tokenize=False)
     # stage 05's prompt of such a record: the tools written into it, the answer's header last
     prompt = tok.decode(masks.prompt_ids(tok, conv[1:2], tools=tools))

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, offline_env, setup_checkout
 
 
 def _gone(pid, timeout=15):
@@ -46,16 +46,8 @@ def test_a_signal_to_a_script_stops_the_child_it_runs(sig, tmp_path):
     assert _gone(child), "the child outlived the script"
 
 
-def _setup_checkout(tmp_path):
-    root = tmp_path / "repo"
-    (root / "scripts").mkdir(parents=True)
-    for name in ("setup.sh", "lib.sh"):
-        shutil.copy(os.path.join(REPO, "scripts", name), root / "scripts")
-    return root
-
-
 def test_setup_refuses_a_venv_that_is_a_link(tmp_path):
-    root, theirs = _setup_checkout(tmp_path), tmp_path / "their-venv"
+    root, theirs = setup_checkout(tmp_path), tmp_path / "their-venv"
     (theirs / "bin").mkdir(parents=True)
     os.symlink(theirs, root / ".venv")
     p = subprocess.run(["bash", "scripts/setup.sh"], cwd=root, capture_output=True, text=True, timeout=60)
@@ -65,7 +57,7 @@ def test_setup_refuses_a_venv_that_is_a_link(tmp_path):
 
 
 def test_setup_refuses_a_venv_it_did_not_make(tmp_path):
-    root = _setup_checkout(tmp_path)
+    root = setup_checkout(tmp_path)
     (root / ".venv" / "bin").mkdir(parents=True)  # someone's own environment, in the place setup would use
     p = subprocess.run(["bash", "scripts/setup.sh"], cwd=root, capture_output=True, text=True, timeout=60)
     lines = p.stderr.strip().splitlines()
@@ -97,3 +89,21 @@ def test_a_stop_between_the_child_s_start_and_its_record_still_reaches_it(tmp_pa
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the child outlived the script")
+
+
+def test_setup_names_what_it_cannot_install_without_the_network(tmp_path):
+    """A bare Python (no torch) and an empty folder of wheels: one line naming the first requirement it cannot
+    have and where it looked, exit 2, nothing converted."""
+    import sys
+    root = setup_checkout(tmp_path)
+    shutil.copy(os.path.join(REPO, "requirements.txt"), root)
+    (tmp_path / "wheels").mkdir()
+    bare = subprocess.run([os.path.join(REPO, ".venv", "bin", "python"), "-c",
+                           "import sys; print(sys._base_executable)"], capture_output=True, text=True).stdout.strip()
+    env = {**offline_env(tmp_path / "wheels"), "EAGLE3_BASE_PYTHON": bare or sys.executable}
+    p = subprocess.run(["bash", "scripts/setup.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in p.stderr.strip().splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stdout + p.stderr
+    assert lines[0].startswith("error: torch==2.13.0: setup cannot install it from ") and \
+        str(tmp_path / "wheels") in lines[0] and "(pip: " in lines[0], lines[0]
+    assert "lacks" not in p.stderr and not (root / "data").exists()

@@ -266,6 +266,24 @@ def test_an_fp8_verifier_s_scales_and_what_transformers_can_run_of_it_here(famil
                                          r"\[2, 4\]; the fp8 weight .* \[64, 128\] in blocks of \[16, 16\] needs "
                                          r"\[4, 8\] in floating point"):
         quantization.read(str(_fp8(src, tmp_path / "grid", [16, 16], scale_block=[32, 32])))
+    # blocks' scales named weight_scale (AutoFP8's per-tensor name): left unset by both loaders, a traceback at the
+    # first forward (a held-out probe); one scale a tensor so named: vLLM reads it, transformers does not
+    named = _fp8(src, tmp_path / "named", [32, 32])
+    t = tensors_of(named)
+    t = {(k[:-len("_inv")] if k.endswith(".weight_scale_inv") else k): v for k, v in t.items()}
+    from bad_drafts import write_st
+    write_st(str(named / "model.safetensors"), t)
+    with pytest.raises(UsageError, match=r"weight_scale: the fp8 weight .* block scales are named weight_scale; "
+                                         r"quant_method fp8 reads them as .*\.weight_scale_inv"):
+        quantization.read(str(named))
+    cfg = json.loads((named / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = None
+    (named / "config.json").write_text(json.dumps(cfg))
+    t = {k: (["F32", [], bytes(4)] if k.endswith(".weight_scale") else v) for k, v in t.items()}
+    write_st(str(named / "model.safetensors"), t)
+    per_tensor = quantization.read(str(named))
+    assert per_tensor.misnamed.endswith(".weight_scale")
+    assert "named weight_scale" in quantization.transformers_refusal(per_tensor, True, "bfloat16")
     if importlib.util.find_spec("bitsandbytes") is None:  # not in requirements.txt: what a machine without it sees
         bnb = dataclasses.replace(good, method="bitsandbytes",
                                   config=json.dumps({"quant_method": "bitsandbytes", "load_in_4bit": True}))
