@@ -103,3 +103,8 @@ serve=$($PY -c 'import sys; from eagle3pipe.engines.engine import serve_command 
         "$MODEL" data/checkpoints/last)
 echo "quickstart: the draft is data/checkpoints/last; serve it with vLLM:"
 echo "  $serve"
+if [ $GPU = 0 ]; then  # the verdict above is this run's; what the recipe reaches at full size, for scale
+  echo "quickstart: this CPU run trained on $N conversations for $EPOCHS_RUN epoch(s) to fit its time; the GPU path's" \
+       "draft (all the package's conversations, two layers, 8 epochs) measured an acceptance length of 2.72 and 2.74" \
+       "(two seeds) through vLLM on 100 held-out prompts (docs/RECIPE.md)"
+fi

@@ -80,6 +80,23 @@ def print_table(args, report):
         print(line)
     print(f"{explain(report['greedy_divergences'], report['num_prompts'])}; report: "
           f"{os.path.join(args.output_dir, 'report.json')}")
+    print(verdict(report, args.num_speculative_tokens))
+
+
+def verdict(report, k):
+    """Whether the draft pays for itself on this machine, and why: its speed-up at batch 1 and at the largest batch
+    measured, against the acceptance that bought it (a round costs k draft steps and one verification of k + 1
+    tokens, and yields the acceptance length in tokens)."""
+    speedup = {int(b): v for b, v in report["speedup"].items()}
+    one, most = speedup.get(1, speedup[min(speedup)]), max(speedup)
+    a = report["acceptance_length"] or 0.0
+    at = f"{one:.2f}x at batch 1" + (f", {speedup[most]:.2f}x at batch {most}" if most != 1 else "")
+    if one >= 1.0:
+        return (f"verdict: the draft pays for itself here ({at}): a round of {k} draft steps and one verification "
+                f"yields {a:.2f} tokens, which costs less than {a:.2f} of the verifier's own steps")
+    return (f"verdict: the draft does not pay for itself here ({at}): a round of {k} draft steps and one "
+            f"verification yields {a:.2f} tokens, too few to cover the draft's steps and the verification on this "
+            f"device; a draft trained on more conversations and epochs accepts more (docs/RECIPE.md)")
 
 
 def print_measured(args, report):

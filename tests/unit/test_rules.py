@@ -861,3 +861,15 @@ def test_a_check_about_two_settings_names_each_as_the_operator_gave_it():
     assert str(lr) == "--config c.yaml: key 'train.lr' -1.0: must be greater than 0"
     # a flag whose name another's begins with is not touched
     assert cli._named_by_config(UsageError("--lr-x 1: no"), {"lr"}, "c.yaml", {"lr": "lr"}).args[0] == "--lr-x 1: no"
+
+
+def test_stage05_says_whether_the_draft_pays_for_itself_here():
+    """The last line of stage 05's table (and so of the CPU quickstart): the speed-up at batch 1 and at the largest
+    batch, and what the acceptance bought; a draft slower than the verifier alone is said to be so (a tried
+    quickstart's draft ran 0.95x at batch 1 and 0.60x at batch 4, and its last lines did not say)."""
+    from eagle3pipe.evaluate.eval_report import verdict
+    slow = verdict({"speedup": {1: 0.95, 4: 0.6}, "acceptance_length": 1.18}, 3)
+    assert slow.startswith("verdict: the draft does not pay for itself here (0.95x at batch 1, 0.60x at batch 4)")
+    assert "yields 1.18 tokens" in slow
+    fast = verdict({"speedup": {"1": 1.39}, "acceptance_length": 2.43}, 3)  # as report.json holds it
+    assert fast.startswith("verdict: the draft pays for itself here (1.39x at batch 1)") and "2.43" in fast
