@@ -14,7 +14,8 @@ Outputs: --output-dir/tokenized_data.jsonl  one {"id", "input_ids", "loss_mask"}
          --output-dir/manifest.json         arguments, verifier fingerprint, counts, versions, command
 Selection: the first --num-samples records of the source (so records after them stay held out for
 stage 05), written in an order shuffled by --seed. Every assistant turn is trained.
---regenerate: the verifier first rewrites every assistant turn through vLLM (eagle3pipe/prepare/regenerate.py), resumably;
+--regenerate: the verifier first rewrites every assistant turn (vLLM or transformers: eagle3pipe/prepare/regenerate.py),
+         resumably;
          its answers also land in --output-dir/regenerated.jsonl.
 The output folder must be new, empty or an earlier stage 01 output: only this stage's own files are replaced.
 """
@@ -38,11 +39,17 @@ def parse_args(argv=None):
                         "--regenerate, else one per CPU core up to 32); the rows are the same for any number")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi)")
     p.add_argument("--regenerate", action="store_true",
-                   help="the verifier (vLLM) rewrites every assistant turn first: on-policy data")
+                   help="the verifier rewrites every assistant turn first: on-policy data")
+    p.add_argument("--regen-engine", choices=["auto", "vllm", "hf"], default="auto",
+                   help="what runs the verifier for --regenerate: vllm, or hf (transformers, batched by length, on "
+                        "a GPU or this CPU: for a cluster without the serving engine); auto: vllm where installed")
+    p.add_argument("--regen-samples", type=int, default=1,
+                   help="answers sampled per conversation with --regenerate (at --regen-temperature > 0); each "
+                        "copy a row of its own, a copy equal to an earlier one left out and counted")
     p.add_argument("--regen-temperature", type=float, default=0.0, help="sampling temperature of --regenerate")
     p.add_argument("--regen-max-tokens", type=int, default=1024, help="longest regenerated turn, in tokens")
     p.add_argument("--regen-batch-size", type=int, default=64,
-                   help="prompts per vLLM call; answers are saved after each call (what a killed run keeps)")
+                   help="prompts per engine call; answers are saved after each call (what a killed run keeps)")
     cli.add_dtype_flag(p, "the verifier (with --regenerate)")
     p.add_argument("--regen-tp-size", type=int, default=1, help="tensor-parallel GPUs for --regenerate")
     return cli.parse_args(p, "prepare", argv, required=["model_path"])

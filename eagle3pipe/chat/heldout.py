@@ -105,9 +105,12 @@ def _trained_within(folder, part, read):
     return 0
 
 
+SAMPLE = re.compile(r"#sample\d+$")  # stage 01 --regen-samples: a record's further sampled copies, "<id>#sample<n>"
+
+
 def trained_ids(prepared):
     """The record ids stage 01 wrote rows for (`prepared`: its folder, or None), those a record carried itself
-    ("row<n>", a position, says nothing across files)."""
+    ("row<n>", a position, says nothing across files); a sampled copy's row counts as its record's."""
     path = os.path.join(prepared, "tokenized_data.jsonl") if prepared else None
     if not path or not os.path.isfile(path):
         return set()
@@ -118,8 +121,10 @@ def trained_ids(prepared):
                 rid = decode(line, 6)[0] if line.startswith('{"id":') else None
             except ValueError:
                 continue
-            if isinstance(rid, str) and not re.fullmatch(r"row\d+", rid):
-                found.add(rid)
+            if isinstance(rid, str):
+                rid = SAMPLE.sub("", rid)
+                if not re.fullmatch(r"row\d+", rid):
+                    found.add(rid)
     return found
 
 

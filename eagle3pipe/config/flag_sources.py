@@ -19,7 +19,8 @@ from ..engines import engines
 # stage -> [(setting, matters(record) -> bool, the settings that decide it, why it is ignored)]
 IGNORED_UNLESS = {
     "prepare": [(name, lambda r: r.regenerate, ("regenerate",), "it sets up --regenerate")
-                for name in ("regen_temperature", "regen_max_tokens", "regen_batch_size", "regen_tp_size", "dtype")]
+                for name in ("regen_temperature", "regen_max_tokens", "regen_batch_size", "regen_tp_size",
+                             "regen_engine", "regen_samples", "dtype")]
                + [("split", lambda r: _hub_dataset(r.dataset) or r.split == "train", ("dataset",),
                    "a split is a hub dataset's; a local file or folder, or the embedded ShareGPT, has none")],
     "extract": [

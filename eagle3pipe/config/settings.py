@@ -126,6 +126,8 @@ class Prepare(Record):
     regen_max_tokens: int = rule(ge=1)
     regen_batch_size: int = rule(ge=1)
     regen_tp_size: int = rule(ge=1)
+    regen_engine: str = rule(choices=("auto", "vllm", "hf"))
+    regen_samples: int = rule(ge=1)
     dtype: str = rule(choices=DTYPES)
 
 

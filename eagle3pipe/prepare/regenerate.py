@@ -1,13 +1,17 @@
 """Stage 01 --regenerate: the verifier rewrites every assistant turn, so the draft trains on the verifier's own
 answers (on-policy data, as in the EAGLE-3 paper). User and system turns are kept.
 
-Turn by turn: round k asks the verifier, through vLLM, for the k-th assistant turn of every conversation, given
-the conversation up to it with the turns already regenerated. A conversation whose prompt reaches --max-seq-len
-is cut there (the rest would be truncated anyway). Assistant turns that open a conversation, before any user or
-system turn, answer nothing and are dropped (counted in the manifest). Answers are appended to
+Turn by turn: round k asks the verifier, through vLLM or transformers (`--regen-engine`, answer_engines.py), for
+the k-th assistant turn of every conversation, given the conversation up to it with the turns already regenerated.
+A conversation whose prompt reaches --max-seq-len is cut there (the rest would be truncated anyway). Assistant turns
+that open a conversation, before any user or system turn, answer nothing and are dropped (counted in the manifest). Answers are appended to
 `<output-dir>/.regenerating.jsonl` after every chunk of --regen-batch-size prompts: a killed run keeps them
 and a rerun with the same settings asks only for the rest (the last finished run's `regenerated.jsonl` counts
 too). On success stage 01 writes this run's answers to `regenerated.jsonl` and drops the working file.
+
+`--regen-samples N` (at a temperature above 0) answers every conversation N times, each copy its own conversation
+(the first keeps the record's id, the others `<id>#sample<n>`); a copy whose answers all equal an earlier copy's is
+left out and counted (`duplicate_samples`), so the rows stay distinct.
 """
 import hashlib
 import json
@@ -16,10 +20,10 @@ import os
 
 from ..base import compute, devices, faults
 from ..base.errors import UsageError
-from ..chat import masks
-from ..engines import engine
+from ..chat import heldout, masks
 from ..measures.draft_check import check_tp, split_heads
 from ..storage import outdir
+from . import answer_engines
 from ..verifier.verifier_weights import say
 
 log = logging.getLogger("eagle3")
@@ -40,13 +44,21 @@ def batched_tokens(gpus, tp):
 def check(args, text_cfg):
     """--regenerate's flags against the device, the verifier and --max-seq-len, before the output folder is taken
     (vLLM refuses each of them 7 s or, on Kimi, many minutes later)."""
+    if args.regen_samples > 1 and args.regen_temperature <= 0:
+        raise UsageError(f"--regen-samples {args.regen_samples}: at --regen-temperature {args.regen_temperature:g} "
+                         f"every sample is the same greedy answer; give a temperature (0.8, say)")
+    chosen = answer_engines.pick(args.regen_engine)
+    if not chosen.tensor_parallel and args.regen_tp_size > 1:
+        raise UsageError(f"--regen-tp-size {args.regen_tp_size}: --regen-engine {args.regen_engine} answers through "
+                         f"transformers{' (vLLM is not installed)' if args.regen_engine == 'auto' else ''}, on one "
+                         f"device; use --regen-engine vllm for tensor parallel")
     gpus = devices.visible_gpus()
     bad = split_heads(args.regen_tp_size, text_cfg)
     if bad:
         raise UsageError(f"--regen-tp-size {args.regen_tp_size}: must divide the verifier's {bad[0]} ({bad[1]})")
     check_tp(args.regen_tp_size, gpus, "--regen-tp-size")
     most = batched_tokens(gpus, args.regen_tp_size)
-    if args.regen_batch_size > most:
+    if chosen.caps_batch and args.regen_batch_size > most:
         raise UsageError(f"--regen-batch-size {args.regen_batch_size}: vLLM batches at most {most} tokens per step "
                          f"here (its max_num_batched_tokens on {'CPU' if not gpus else gpus[0][0]}), and each "
                          f"prompt in flight needs one; use at most {most}")
@@ -63,9 +75,11 @@ def cache_path(out):
 
 
 def settings_of(args):
+    """What an answer depends on: a cached one is taken only under the same (the engine included: greedy answers of
+    vLLM and transformers part where their arithmetic does, tests/slow/test_regenerate.py)."""
     return {"model": os.path.abspath(args.model_path) if os.path.isdir(args.model_path) else args.model_path,
             "temperature": args.regen_temperature, "max_tokens": args.regen_max_tokens, "seed": args.seed,
-            "max_seq_len": args.max_seq_len}
+            "max_seq_len": args.max_seq_len, "engine": answer_engines.pick(args.regen_engine).name}
 
 
 def prompt_digest(messages):
@@ -100,6 +114,9 @@ def run(records, tok, args, out):
     done = load_cache([os.path.join(out, "regenerated.jsonl"), path], settings)
     answers = []
     convs, lead = [], 0
+    if args.regen_samples > 1:  # each copy its own conversation; the first keeps the record's id
+        records = [(rid if s == 0 else f"{rid}#sample{s}", msgs, tools)
+                   for rid, msgs, tools in records for s in range(args.regen_samples)]
     for _, msgs, _ in records:  # no record here uses tools (read_conversations refuses them)
         # an assistant turn that opens the conversation answers nothing: the verifier would never say it
         k = next((m for m, x in enumerate(msgs) if x["role"] != "assistant"), len(msgs))
@@ -108,8 +125,9 @@ def run(records, tok, args, out):
         convs.append([{key: v for key, v in m.items() if key != "reasoning_content"} for m in msgs[k:]])
     ids = [r[0] for r in records]
     cut = {}  # conversation -> index of the first message dropped (its prompt reached --max-seq-len)
-    counts = {"turns_regenerated": 0, "turns_from_cache": 0, "conversations_cut": 0, "opening_turns_dropped": lead}
-    llm, turn = None, 0
+    counts = {"turns_regenerated": 0, "turns_from_cache": 0, "conversations_cut": 0, "opening_turns_dropped": lead,
+              "duplicate_samples": 0}
+    answerer, turn = None, 0
     on_gpu = bool(devices.visible_gpus())
     dtype = compute.resolve(args.dtype, on_gpu)
     counts["compute_dtype"] = dtype.dtype
@@ -138,26 +156,23 @@ def run(records, tok, args, out):
         if not active:
             break
         if todo:
-            llm = llm or engine.make_llm(args.model_path, tp=args.regen_tp_size, max_model_len=args.max_seq_len,
-                                         on_gpu=on_gpu, trust_remote_code=args.trust_remote_code, seed=args.seed,
-                                         max_num_seqs=args.regen_batch_size, dtype=dtype.dtype,
-                                         log_path=os.path.join(out, ENGINE_LOG))
-            from vllm import SamplingParams  # after make_llm: importing vLLM prints, and the engine's log takes it
+            if answerer is None:
+                chosen = answer_engines.pick(args.regen_engine)
+                log.info(f"--regenerate through {chosen.name}")
+                answerer = chosen(args, tok, on_gpu, dtype.dtype, os.path.join(out, ENGINE_LOG))
             log.info(f"regenerating assistant turn {turn + 1} of {len(todo)} conversations")
+            if answerer.by_length:
+                todo.sort(key=lambda t: -len(t[2]))
             for start in range(0, len(todo), args.regen_batch_size):
                 chunk = todo[start:start + args.regen_batch_size]
-                # a seed per conversation and turn makes a sampled answer independent of its batch, but vLLM
-                # rewinds that generator after a chunked prefill, which CPU generators cannot do (the engine dies:
-                # "CPU Generator does not use offset"); on CPU the engine's seed alone drives the sampling
-                params = [SamplingParams(temperature=args.regen_temperature,
-                                         seed=args.seed + j * 1009 + turn if on_gpu else None,
-                                         max_tokens=min(args.regen_max_tokens, args.max_seq_len - len(p) - 1))
-                          for j, _, p, _ in chunk]
-                outs = engine.generate(llm, [{"prompt_token_ids": p} for _, _, p, _ in chunk], params, use_tqdm=False)
+                texts = answerer.answers([p for _, _, p, _ in chunk],
+                                         [min(args.regen_max_tokens, args.max_seq_len - len(p) - 1)
+                                          for _, _, p, _ in chunk],
+                                         args.regen_temperature, [args.seed + j * 1009 + turn for j, _, _, _ in chunk])
                 with os.fdopen(outdir.open_append(path), "a", encoding="utf-8") as f:
-                    for (j, m, _, digest), o in zip(chunk, outs):
-                        convs[j][m]["content"] = o.outputs[0].text
-                        answers.append({"id": ids[j], "turn": turn, "prompt": digest, "text": o.outputs[0].text,
+                    for (j, m, _, digest), text in zip(chunk, texts):
+                        convs[j][m]["content"] = text
+                        answers.append({"id": ids[j], "turn": turn, "prompt": digest, "text": text,
                                         "settings": settings})
                         f.write(json.dumps(answers[-1]) + "\n")
                     f.flush()
@@ -168,5 +183,15 @@ def run(records, tok, args, out):
     for j, m in cut.items():
         del convs[j][m:]
     counts["conversations_cut"] = len(cut)
-    kept = [(rid, msgs, None) for rid, msgs in zip(ids, convs) if any(x["role"] == "assistant" for x in msgs)]
+    kept, seen = [], set()
+    for rid, msgs in zip(ids, convs):
+        if not any(x["role"] == "assistant" for x in msgs):
+            continue
+        if args.regen_samples > 1:  # a sampled copy the same as an earlier one of its record would repeat a row
+            key = (heldout.SAMPLE.sub("", rid), json.dumps(msgs, sort_keys=True))
+            if key in seen:
+                counts["duplicate_samples"] += 1
+                continue
+            seen.add(key)
+        kept.append((rid, msgs, None))
     return kept, counts, answers

@@ -1,0 +1,63 @@
+"""Stage 01 --regenerate through transformers (`--regen-engine hf`): for a training cluster without the serving
+engine. Resumed after a kill from the answers already written, as through vLLM (tests/slow/test_regenerate.py, where
+the two engines' greedy answers are compared); several sampled answers a conversation, each a row, none twice."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from conftest import REPO, run_script
+
+
+def _data(path, n=4):
+    with open(path, "w") as f:
+        for k in range(n):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"Name a colour, please ({k})."},
+                {"role": "assistant", "content": f"ORIGINAL ANSWER {k}a"},
+                {"role": "user", "content": "And a fruit?"},
+                {"role": "assistant", "content": f"ORIGINAL ANSWER {k}b"}]}) + "\n")
+        f.write(json.dumps({"messages": [  # an opening assistant turn answers nothing: dropped and counted
+            {"role": "assistant", "content": "ORIGINAL GREETING"},
+            {"role": "user", "content": "Name an animal."},
+            {"role": "assistant", "content": "ORIGINAL ANSWER 4a"}]}) + "\n")
+    return path
+
+
+def test_regenerate_through_transformers_resumes_after_a_kill(model_path, tokenizer, tmp_path):
+    data, out = _data(tmp_path / "d.jsonl"), tmp_path / "prep"
+    argv = ["01_prepare_dataset.py", "--model-path", model_path, "--dataset", str(data), "--output-dir", str(out),
+            "--max-seq-len", "256", "--regenerate", "--regen-engine", "hf", "--regen-max-tokens", "12",
+            "--regen-batch-size", "2"]
+    log = open(tmp_path / "first.log", "w")
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=log, stderr=log, start_new_session=True,
+                            env=dict(os.environ, EAGLE3_INJECT_KILL="regen:2"))  # SIGKILL after the second batch
+    assert proc.wait(timeout=600) == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-2000:]
+    cache = out / ".regenerating.jsonl"
+    assert len(cache.read_text().splitlines()) == 4 and not (out / "manifest.json").exists()
+    p, _ = run_script(*argv)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "--regenerate through hf" in p.stderr and "regenerated 5 assistant turns (4 from an earlier run)" in p.stderr
+    m = json.load(open(out / "manifest.json"))["regenerated"]
+    assert (m["turns_regenerated"], m["turns_from_cache"], m["opening_turns_dropped"]) == (5, 4, 1)
+    assert m["settings"]["engine"] == "hf"
+    rows = [json.loads(line) for line in open(out / "tokenized_data.jsonl")]
+    texts = [tokenizer.decode([t for t, k in zip(r["input_ids"], r["loss_mask"]) if k]) for r in rows]
+    assert len(rows) == 5 and not any("ORIGINAL" in t for t in texts) and all(t.strip() for t in texts)
+
+
+def test_several_sampled_answers_are_rows_of_their_own_and_never_twice(model_path, tmp_path):
+    data, out = _data(tmp_path / "d.jsonl", n=2), tmp_path / "prep"
+    base = ["01_prepare_dataset.py", "--model-path", model_path, "--dataset", str(data), "--output-dir", str(out),
+            "--max-seq-len", "256", "--regenerate", "--regen-engine", "hf", "--regen-max-tokens", "8"]
+    p, _ = run_script(*base, "--regen-samples", "3")
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and lines == [lines[-1]] and "--regen-samples 3: at --regen-temperature 0 every " \
+        "sample is the same greedy answer" in lines[0] and not out.exists(), p.stderr[-2000:]
+    p, _ = run_script(*base, "--regen-samples", "3", "--regen-temperature", "1.0")
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = json.load(open(out / "manifest.json"))
+    rows = [json.loads(line)["id"] for line in open(out / "tokenized_data.jsonl")]
+    assert len(rows) == len(set(rows)) == 9 - m["regenerated"]["duplicate_samples"], (rows, m["regenerated"])
+    assert {r.split("#")[0] for r in rows} == {"row0", "row1", "row2"} and any("#sample2" in r for r in rows)
