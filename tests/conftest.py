@@ -63,14 +63,19 @@ def model_path():
     return MODEL
 
 
-def model_with_template(model_path, folder, template):
-    """A copy of the verifier's tokenizer and config in `folder` (its weights left out: stage 01 never loads them)
-    whose chat template is `template` -> `folder`."""
-    import shutil
+def verifier_files(model_path, folder):
+    """A copy of the verifier's tokenizer and config in `folder`, made here (its weights left out: stage 01 and the
+    tokenizer's checks never load them) -> `folder`."""
     folder.mkdir()
     for name in os.listdir(model_path):
         if not name.endswith(".safetensors"):
             shutil.copy(os.path.join(model_path, name), folder / name)
+    return folder
+
+
+def model_with_template(model_path, folder, template):
+    """verifier_files whose chat template is `template` -> `folder`."""
+    verifier_files(model_path, folder)
     (folder / "chat_template.jinja").write_text(template)
     return folder
 

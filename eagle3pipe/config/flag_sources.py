@@ -26,7 +26,7 @@ IGNORED_UNLESS = {
     "extract": [
         ("tp_size", lambda r: engines.kind(r.backend).tensor_parallel or r.tp_size == 1, ("backend",),
          "the hf backend has no tensor parallelism (it runs on one device)"),
-        ("gpu_memory_utilization", lambda r: engines.kind(r.backend) is engines.VLLM, ("backend",),
+        ("gpu_memory_utilization", lambda r: engines.kind(r.backend).memory_fraction, ("backend",),
          "it is the vllm backend's setting"),
     ],
     "train": [

@@ -1,12 +1,12 @@
 """The two ways the pipeline runs the verifier for its hidden states, as objects: the facts the preflights, the
-writer and the online plan ask of each, and the server an --online run starts (the runtime classes are in
-backends.py), and the rules an engine is held to before anything loads (check_engine). The choice by name happens
-here alone (`kind`); a new backend is one class here, its runtime class, and one line in KINDS."""
+writer and the online plan ask of each, the runtime stage 02 starts (`start`: the classes are in backends.py), the
+server an --online run starts, and the rules an engine is held to before anything loads (check_engine). The choice
+by name happens here alone (`kind`); a new backend is its runtime's module and one record here, in KINDS."""
 from ..adapters import check_private
 from ..base.errors import UsageError
 from ..verifier import quantization
 from ..verifier.vllm_support import eagle3_refusal
-
+from .backends import HFBackend, VLLMBackend
 
 
 class VLLM:
@@ -18,7 +18,14 @@ class VLLM:
     connector = True                 # states leave through vLLM's hidden-states connector (our CPU one on a CPU)
     background_writer_on_cpu = True  # the connector's files are rewritten in the background, next to the engine
     keeps_quantized = True           # quantized weights stay packed and run on vLLM's kernels for them
+    memory_fraction = True           # --gpu-memory-utilization is its setting
+    spool = True                     # it writes the states into a folder stage 02 makes (<out>/.incoming/<pid>)
     server = None                    # --online: vLLM's own OpenAI-compatible server (engine.server_module)
+
+    @staticmethod
+    def start(args, layer_ids, spool, on_gpu, dtype, log_path):
+        """Stage 02's runtime (`args`: settings.Extract)."""
+        return VLLMBackend(args, layer_ids, spool, on_gpu=on_gpu, dtype=dtype, log_path=log_path)
 
 
 class HF:
@@ -30,7 +37,13 @@ class HF:
     connector = False
     background_writer_on_cpu = False
     keeps_quantized = False          # transformers decompresses compressed-tensors int4 experts to bf16 as it loads
+    memory_fraction = False
+    spool = False                    # its states come back in this process
     server = "eagle3pipe.engines.hf_server"  # --online: the same two API calls, answered with transformers
+
+    @staticmethod
+    def start(args, layer_ids, spool, on_gpu, dtype, log_path):
+        return HFBackend(args.model_path, layer_ids, args.trust_remote_code, storage=args.storage_dtype, dtype=dtype)
 
 
 KINDS = {k.name: k for k in (VLLM, HF)}

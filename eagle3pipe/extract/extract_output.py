@@ -8,7 +8,7 @@ import time
 
 from ..base import faults
 from ..base.errors import UsageError
-from ..engines import backends, engines
+from ..engines import engines
 from ..formats.hidden_states import hs_path, read_header
 from ..formats.spool import clear_spool
 from ..storage import files, locks, outdir
@@ -176,14 +176,11 @@ def opened(args, plan, out):
     """Stage 02's verifier, loaded as the backend `args.backend` chooses (`args`: settings.Extract; `plan`:
     preflight.Plan), for the `with` block. vLLM writes through its connector into a spool this process makes,
     `<out>/.incoming/<pid>`; once the block ends normally, what the engine left there goes, and the spool with it."""
-    t_load, staging = time.time(), None
-    if engines.kind(args.backend) is engines.VLLM:
+    t_load, staging, kind = time.time(), None, engines.kind(args.backend)
+    if kind.spool:
         staging = outdir.make_dir(os.path.join(outdir.make_dir(os.path.join(out, INCOMING)), str(os.getpid())))
-        backend = backends.VLLMBackend(args, plan.layer_ids, staging, on_gpu=plan.on_gpu, dtype=plan.compute.dtype,
-                              log_path=os.path.join(out, engine_log(args.shard)))
-    else:
-        backend = backends.HFBackend(args.model_path, plan.layer_ids, args.trust_remote_code, storage=args.storage_dtype,
-                            dtype=plan.compute.dtype)
+    backend = kind.start(args, plan.layer_ids, staging, plan.on_gpu, plan.compute.dtype,
+                         os.path.join(out, engine_log(args.shard)))
     log.info(f"verifier loaded in {time.time() - t_load:.0f} s ({args.backend} backend, {plan.compute.dtype})")
     yield backend
     if staging:

@@ -36,9 +36,9 @@ import time
 from . import preflight
 from .. import REPO
 from ..base import devices, handoff
-from ..base.errors import RunError, UsageError
-from ..base.errors import quote
+from ..base.errors import RunError, UsageError, quote
 from ..config import cli
+from ..engines import engines
 from ..storage import locks, outdir
 from ..storage.files import atomic_path
 from .extract_output import prepare_output
@@ -98,7 +98,8 @@ def replicas(stage, argv):
     """The runs to start: [Replica], one per REPLICAS, with the launcher's defaults filled in."""
     n = env_int("REPLICAS", 1)
     tp_env, batch_env = env_int("TP_SIZE"), env_int("BATCH_SIZE")
-    config, hf = _has(argv, "--config"), _value(argv, "--backend") == "hf"
+    chosen = engines.KINDS.get(_value(argv, "--backend") or "")  # the stage refuses a name it does not know
+    config, one_device = _has(argv, "--config"), chosen is not None and not chosen.tensor_parallel
     gpus, tp = [], None
     if n > 1:
         if _has(argv, "--shard"):
@@ -109,7 +110,7 @@ def replicas(stage, argv):
         if tp < 1 or n * tp > len(gpus):
             raise UsageError(f"REPLICAS={n} x --tp-size {tp}: needs {n * max(tp, 1)} GPUs; {len(gpus)} visible")
     defaults = []
-    if not (_has(argv, "--tp-size") or config or hf):  # the hf backend has no tensor parallelism
+    if not (_has(argv, "--tp-size") or config or one_device):  # a backend without tensor parallelism (hf)
         defaults += ["--tp-size", str(tp or tp_env or 8)]
     if not (_has(argv, "--batch-size") or config):
         defaults += ["--batch-size", str(batch_env or 4)]

@@ -18,8 +18,7 @@ import os
 from typing import Optional
 
 from ..base import compute, devices
-from ..base.devices import available_ram
-from ..base.devices import visible_gpus
+from ..base.devices import available_ram, visible_gpus
 from ..base.errors import UsageError, quote
 from ..engines import engines
 from ..engines.engine import cpu_kv_cache_bytes

@@ -60,9 +60,9 @@ def check_engine(s, text_cfg, weights, gpus, engine_gpus, shared):
     """What can be known before the engine loads: vLLM installed, TP against the heads, the weights in the memory
     the engine may use. -> the memory fraction vLLM may take on each of its GPUs."""
     kind = engines.kind(s.backend)
-    if kind is engines.VLLM and importlib.util.find_spec(kind.module) is None:
-        raise UsageError("--backend vllm: vLLM is not installed here; use --backend hf (transformers), or "
-                         "--engine-address of an engine running elsewhere")
+    if importlib.util.find_spec(kind.module) is None:
+        raise UsageError(f"--backend {kind.name}: {kind.module} is not installed here; use another --backend, or "
+                         f"--engine-address of an engine running elsewhere")
     tp = max(1, len(engine_gpus))
     memory = s.engine_memory if s.engine_memory is not None else (0.45 if shared else 0.85)
     if weights:

@@ -15,8 +15,7 @@ from ..base.errors import RunError
 from ..base.faults import nan_rows
 from ..base.lifeline import parent_death_signal
 from ..formats.hidden_states import HS_NAME, hs_path, load_checked, read_header, save
-from ..formats.spool import clear_spool, wait_for_engine_file
-from ..formats.spool import remove_spool_file
+from ..formats.spool import clear_spool, wait_for_engine_file, remove_spool_file
 from ..storage import locks, outdir
 from ..storage.files import SKIPPED, atomic_path
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, verifier_files
 from eagle3pipe.chat import masks
 
 
@@ -245,13 +245,8 @@ def test_a_config_transformers_cannot_read_is_named_not_the_tokenizer(model_path
     """Found by a held-out probe: config.json's faults (heads that do not divide the width) surfaced as the
     tokenizer's ("its tokenizer failed to load"), the message cut at its colon."""
     import json
-    import shutil
     from eagle3pipe.base.errors import UsageError
-    d = tmp_path / "m"
-    d.mkdir()
-    for name in os.listdir(model_path):
-        if not name.endswith(".safetensors"):
-            shutil.copy(os.path.join(model_path, name), d / name)
+    d = verifier_files(model_path, tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "num_attention_heads": 7}))
     with pytest.raises(UsageError, match=r"config.json: transformers cannot read it: \w+: .*The hidden size \(576\) "
@@ -263,13 +258,8 @@ def test_a_tokenizer_that_splits_at_random_is_refused(model_path, tmp_path):
     """BPE dropout in tokenizer.json: the same text split otherwise at every call, never as the verifier's engine
     splits it (found by a held-out probe: accepted silently)."""
     import json
-    import shutil
     from eagle3pipe.base.errors import UsageError
-    d = tmp_path / "tok"
-    d.mkdir()
-    for name in os.listdir(model_path):
-        if not name.endswith(".safetensors"):
-            shutil.copy(os.path.join(model_path, name), d / name)
+    d = verifier_files(model_path, tmp_path / "tok")
     spec = json.loads((d / "tokenizer.json").read_text())
     spec["model"]["dropout"] = 0.1
     (d / "tokenizer.json").write_text(json.dumps(spec))
@@ -529,13 +519,8 @@ def test_a_tokenizer_that_refuses_the_text_is_one_line_naming_it(model_path, tmp
     on any word it does not know (found by a held-out probe: "error: Exception: ...", exit 1). It is the verifier's
     tokenizer's fault, one line naming it (a panic: R/test_stage01_workers.py)."""
     import json
-    import shutil
     from transformers import AutoTokenizer
-    d = tmp_path / "tok"
-    d.mkdir()
-    for name in os.listdir(model_path):
-        if not name.endswith(".safetensors"):
-            shutil.copy(os.path.join(model_path, name), d / name)
+    d = verifier_files(model_path, tmp_path / "tok")
     spec = json.loads((d / "tokenizer.json").read_text())
     spec.update(model={"type": "WordLevel", "unk_token": "[UNK]",
                        "vocab": {"a": 0, "b": 1, **{t["content"]: t["id"] for t in spec["added_tokens"]}}},

@@ -13,7 +13,8 @@ def _conv(question):
 
 def test_records_sharing_an_id_keep_their_own_answers_on_a_rerun(tmp_path):
     args = SimpleNamespace(model_path=str(tmp_path / "model"), regen_temperature=0.0, regen_max_tokens=64, seed=0,
-                           max_seq_len=512, dtype="float32", trust_remote_code=False)
+                           max_seq_len=512, dtype="float32", trust_remote_code=False, regen_engine="vllm",
+                           regen_samples=1)
     settings = regenerate.settings_of(args)
     france, primes = _conv("What is the capital of France?"), _conv("Name three prime numbers.")
     # what an earlier run of the same settings wrote: one answer each, both records with the id "1"
