@@ -25,6 +25,7 @@ def pick(name):
 class VllmAnswers:
     name = "vllm"
     tensor_parallel = True
+    keeps_quantized = True  # quantized weights run on vLLM's kernels for them
     caps_batch = True  # its max_num_batched_tokens bounds --regen-batch-size (regenerate.check)
     by_length = False  # it schedules the prompts itself
 
@@ -52,6 +53,7 @@ class HFAnswers:
     random. Sampled answers depend on the batch they fall in (one generator a batch, seeded by its first prompt)."""
     name = "hf"
     tensor_parallel = False
+    keeps_quantized = False  # transformers loads them through its quantizer (its environment check first)
     caps_batch = False
     by_length = True  # a batch of alike lengths pads least: the caller hands them longest first
 

@@ -45,7 +45,9 @@ def tokenizer(args, records):
     """The verifier's tokenizer, its chat template probed on the records: a template that loops is refused before
     the folder is taken. With --regenerate the verifier's weights are checked against its config first."""
     if args.regenerate:  # the verifier answers: its weights against the model its config defines (imports
-        verify(args.model_path, args.trust_remote_code)  # transformers; said by regenerate.run, once the folder is taken)
+        verifier.check_weights(args.model_path)  # transformers; said by regenerate.run, once the folder is taken)
+        verify(args.model_path, args.trust_remote_code)
+        regenerate.check_engine(args)
     tok = masks.load_tokenizer(args.model_path, args.trust_remote_code)
     tokenize_workers.probe(tok, records, args.max_seq_len)
     return tok

@@ -23,6 +23,7 @@ from ..base.errors import UsageError
 from ..chat import heldout, masks
 from ..measures.draft_check import check_tp, split_heads
 from ..storage import outdir
+from ..verifier import quantization
 from . import answer_engines
 from ..verifier.verifier_weights import say
 
@@ -68,6 +69,26 @@ def check(args, text_cfg):
         raise UsageError(f"--regen-max-tokens {args.regen_max_tokens}: with --max-seq-len {args.max_seq_len} an "
                          f"answer has at most {max(room, 0)} tokens (the verifier's positions bound --max-seq-len); "
                          f"lower --regen-max-tokens or raise --max-seq-len")
+
+
+def check_engine(args):
+    """What the chosen engine cannot run of this verifier here, before the folder is taken (a quantization whose
+    package transformers lacks, fp8 on a CPU, a kernel vLLM has not here): one line, not a traceback at the load."""
+    chosen = answer_engines.pick(args.regen_engine)
+    quant = quantization.read(args.model_path)
+    if quant is None:
+        return
+    on_gpu = bool(devices.visible_gpus())
+    if chosen.keeps_quantized:
+        ok, why = quantization.kernel_here(quant, on_gpu)
+        if not ok:
+            raise UsageError(f"--regen-engine {chosen.name}: the verifier is {quant.describe()}, and {why}; use "
+                             f"--regen-engine hf (transformers) or a GPU machine")
+        return
+    why = quantization.transformers_refusal(quant, on_gpu, compute.resolve(args.dtype, on_gpu).dtype)
+    if why:
+        raise UsageError(f"--regen-engine {chosen.name}, compute dtype {compute.resolve(args.dtype, on_gpu).dtype}: "
+                         f"{why}")
 
 
 def cache_path(out):

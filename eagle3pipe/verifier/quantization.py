@@ -223,7 +223,9 @@ def _fp8_blocks(q, table, where):
         else:
             grid = [-(-d // b) for d, b in zip(shape[-2:], block)]
             need, ok = str(list(shape[:-2]) + grid), list(s_shape) == list(shape[:-2]) + grid
-            if not uneven and any(d % b for d, b in zip(shape[-2:], block)):
+            # transformers reads a block as the weight's size over the grid's: right where the blocks divide the
+            # weight, or where one block spans the whole side
+            if not uneven and any(d % b and g > 1 for d, b, g in zip(shape[-2:], block, grid)):
                 uneven = f"{k} {shape} in blocks of {list(block)}"
         if not ok or s_dtype not in FLOAT_SCALES:
             raise UsageError(f"{where}: {s_shard}: {scale} is {s_dtype} {s_shape}; the fp8 weight {k} {shape} in "

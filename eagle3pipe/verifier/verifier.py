@@ -65,7 +65,19 @@ def open_verifier(model_path, trust_remote_code):
     a verifier that ships code transformers cannot replace needs --trust-remote-code (refused here otherwise)."""
     fp = fingerprint(model_path)
     check_remote_code(model_path, trust_remote_code)
+    check_generation_config(model_path)
     return fp, text_config(model_files(model_path)[0])
+
+
+def check_generation_config(model_path):
+    """A local verifier's generation_config.json, where it has one, is a JSON object: it names the tokens the
+    verifier's answers end at (what stage 01 trains through and --regenerate stops at), and vLLM and transformers
+    read it; one that does not parse was ignored in silence."""
+    path = os.path.join(model_path, "generation_config.json")
+    if os.path.isdir(model_path) and os.path.lexists(path):
+        cfg = read_json(path)
+        if not isinstance(cfg, dict):
+            raise UsageError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
 
 
 def _json_or_refuse(path, data):

@@ -47,6 +47,29 @@ def test_regenerate_through_transformers_resumes_after_a_kill(model_path, tokeni
     assert len(rows) == 5 and not any("ORIGINAL" in t for t in texts) and all(t.strip() for t in texts)
 
 
+def test_what_transformers_cannot_run_is_refused_before_the_folder_is_taken(model_path, tmp_path):
+    """Found by a held-out probe, each an exit 1 after the folder was taken: a verifier folder without weights (the
+    HF loader's OSError), a quantization whose package is not installed (bitsandbytes: an ImportError)."""
+    import json
+    from conftest import verifier_files
+    data = _data(tmp_path / "d.jsonl", n=1)
+    bare = verifier_files(model_path, tmp_path / "bare")
+    bnb = verifier_files(model_path, tmp_path / "bnb")
+    os.link(os.path.join(model_path, "model.safetensors"), bnb / "model.safetensors")
+    cfg = json.loads((bnb / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    (bnb / "config.json").write_text(json.dumps(cfg))
+    for model, says in ((bare, "no weight files (*.safetensors, *.bin)"),
+                        (bnb, "--regen-engine hf, compute dtype ")):
+        out = tmp_path / f"out-{model.name}"
+        p, _ = run_script("01_prepare_dataset.py", "--model-path", str(model), "--dataset", str(data), "--output-dir",
+                          str(out), "--max-seq-len", "256", "--regenerate", "--regen-engine", "hf",
+                          "--regen-max-tokens", "8")
+        lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+        assert p.returncode == 2 and len(lines) == 1 and says in lines[0] and not out.exists(), p.stderr[-2000:]
+    assert "bitsandbytes" in lines[0]
+
+
 def test_several_sampled_answers_are_rows_of_their_own_and_never_twice(model_path, tmp_path):
     data, out = _data(tmp_path / "d.jsonl", n=2), tmp_path / "prep"
     base = ["01_prepare_dataset.py", "--model-path", model_path, "--dataset", str(data), "--output-dir", str(out),

