@@ -484,3 +484,20 @@ def offline_env(wheels):
     empty folder of wheels: setup can install nothing but what the folder holds."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "VIRTUAL_ENV"}
     return {**env, "PIP_CONFIG_FILE": os.devnull, "EAGLE3_WHEELS": str(wheels)}
+
+
+def regen_records(path, n=4):
+    """`n` two-turn chats whose answers say ORIGINAL (a regenerated row must not), and one that an assistant turn
+    opens (dropped and counted by --regenerate) -> `path`."""
+    with open(path, "w") as f:
+        for k in range(n):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"Name a colour, please ({k})."},
+                {"role": "assistant", "content": f"ORIGINAL ANSWER {k}a"},
+                {"role": "user", "content": "And a fruit?"},
+                {"role": "assistant", "content": f"ORIGINAL ANSWER {k}b"}]}) + "\n")
+        f.write(json.dumps({"messages": [  # an opening assistant turn answers nothing: dropped and counted
+            {"role": "assistant", "content": "ORIGINAL GREETING"},
+            {"role": "user", "content": "Name an animal."},
+            {"role": "assistant", "content": "ORIGINAL ANSWER 4a"}]}) + "\n")
+    return path

@@ -7,26 +7,11 @@ import signal
 import subprocess
 import sys
 
-from conftest import REPO, run_script
-
-
-def _data(path, n=4):
-    with open(path, "w") as f:
-        for k in range(n):
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": f"Name a colour, please ({k})."},
-                {"role": "assistant", "content": f"ORIGINAL ANSWER {k}a"},
-                {"role": "user", "content": "And a fruit?"},
-                {"role": "assistant", "content": f"ORIGINAL ANSWER {k}b"}]}) + "\n")
-        f.write(json.dumps({"messages": [  # an opening assistant turn answers nothing: dropped and counted
-            {"role": "assistant", "content": "ORIGINAL GREETING"},
-            {"role": "user", "content": "Name an animal."},
-            {"role": "assistant", "content": "ORIGINAL ANSWER 4a"}]}) + "\n")
-    return path
+from conftest import REPO, regen_records, run_script
 
 
 def test_regenerate_through_transformers_resumes_after_a_kill(model_path, tokenizer, tmp_path):
-    data, out = _data(tmp_path / "d.jsonl"), tmp_path / "prep"
+    data, out = regen_records(tmp_path / "d.jsonl"), tmp_path / "prep"
     argv = ["01_prepare_dataset.py", "--model-path", model_path, "--dataset", str(data), "--output-dir", str(out),
             "--max-seq-len", "256", "--regenerate", "--regen-engine", "hf", "--regen-max-tokens", "12",
             "--regen-batch-size", "2"]
@@ -52,7 +37,7 @@ def test_what_transformers_cannot_run_is_refused_before_the_folder_is_taken(mode
     HF loader's OSError), a quantization whose package is not installed (bitsandbytes: an ImportError)."""
     import json
     from conftest import verifier_files
-    data = _data(tmp_path / "d.jsonl", n=1)
+    data = regen_records(tmp_path / "d.jsonl", n=1)
     bare = verifier_files(model_path, tmp_path / "bare")
     bnb = verifier_files(model_path, tmp_path / "bnb")
     os.link(os.path.join(model_path, "model.safetensors"), bnb / "model.safetensors")
@@ -68,19 +53,3 @@ def test_what_transformers_cannot_run_is_refused_before_the_folder_is_taken(mode
         lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
         assert p.returncode == 2 and len(lines) == 1 and says in lines[0] and not out.exists(), p.stderr[-2000:]
     assert "bitsandbytes" in lines[0]
-
-
-def test_several_sampled_answers_are_rows_of_their_own_and_never_twice(model_path, tmp_path):
-    data, out = _data(tmp_path / "d.jsonl", n=2), tmp_path / "prep"
-    base = ["01_prepare_dataset.py", "--model-path", model_path, "--dataset", str(data), "--output-dir", str(out),
-            "--max-seq-len", "256", "--regenerate", "--regen-engine", "hf", "--regen-max-tokens", "8"]
-    p, _ = run_script(*base, "--regen-samples", "3")
-    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert p.returncode == 2 and lines == [lines[-1]] and "--regen-samples 3: at --regen-temperature 0 every " \
-        "sample is the same greedy answer" in lines[0] and not out.exists(), p.stderr[-2000:]
-    p, _ = run_script(*base, "--regen-samples", "3", "--regen-temperature", "1.0")
-    assert p.returncode == 0, p.stderr[-2000:]
-    m = json.load(open(out / "manifest.json"))
-    rows = [json.loads(line)["id"] for line in open(out / "tokenized_data.jsonl")]
-    assert len(rows) == len(set(rows)) == 9 - m["regenerated"]["duplicate_samples"], (rows, m["regenerated"])
-    assert {r.split("#")[0] for r in rows} == {"row0", "row1", "row2"} and any("#sample2" in r for r in rows)

@@ -183,3 +183,47 @@ def test_full_disk_mid_run_is_one_line_and_a_rerun_with_space_completes(stages, 
     p, _ = run_script(*cmd(model_path, prep, out))
     assert p.returncode == 0, p.stderr[-2000:]
     assert_complete(prep, out)
+
+
+def test_running_out_of_memory_is_one_line_naming_the_flag_that_bounds_it(stages, model_path, tmp_path):
+    """torch's CPU allocator refusing 32 GiB at the second training batch (this run trains on the CPU, so the RAM is
+    what --total-seq-len fills): one line with what was asked, how to resume, and --total-seq-len with its value and
+    its floor (the longest row), which starts over; exit 1, no traceback, no finished run left behind. A GPU's
+    wording and advice: tests/unit/test_rules.py."""
+    out = tmp_path / "draft"
+    argv = train_args(model_path, stages, out, "--epochs", "1", "--total-seq-len", "1024", "--num-samples", "12")
+    p, _ = run_script(*argv, env={"EAGLE3_INJECT_OOM_AT_BATCH": "2:cpu"})
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    rows = open(stages["prepared"] / "tokenized_data.jsonl").read().splitlines()[:12]  # --num-samples: the first 12
+    longest = max(len(json.loads(r)["input_ids"]) for r in rows)
+    assert lines[0] == ("error: out of memory (RAM: asked for 32.00 GiB); free memory, then rerun the same command to "
+                        f"resume; or lower --total-seq-len (1,024 now; the longest row needs {longest:,}) and start "
+                        "over with --overwrite or another --output-dir"), lines[0]
+    assert "step 1/" in p.stderr and "step 2/" not in p.stderr and not (out / "manifest.json").exists()
+
+
+def test_a_verifier_whose_states_are_never_finite_is_refused_not_run_to_the_end(model_path, tmp_path):
+    """Its first layer's norm all +inf (a checkpoint gone bad, or a --dtype its values overflow): every row's states
+    are inf or NaN. Each row alone is a failed row; the first eight together are the verifier's fault: one line naming
+    --model-path, exit 2, no hidden-state file, instead of a run through every row that ends with all of them failed
+    (found by a held-out probe)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from verifiers import dense
+    model = dense(str(tmp_path / "model"), model_path, "LlamaConfig", layers=8)
+    weights = load_file(os.path.join(model, "model.safetensors"))
+    weights["model.layers.0.input_layernorm.weight"] = torch.full_like(weights["model.layers.0.input_layernorm.weight"],
+                                                                       float("inf"))
+    save_file(weights, os.path.join(model, "model.safetensors"), metadata={"format": "pt"})
+    prep = tmp_path / "prep"
+    p, _ = run_script("01_prepare_dataset.py", "--model-path", model, "--num-samples", "12", "--max-seq-len", "128",
+                      "--output-dir", str(prep))
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = tmp_path / "hs"
+    p, _ = run_script(*cmd(model, prep, out, "--batch-size", "4"))
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert lines[0].startswith(f"error: --model-path {model}: its hidden states are not finite on any of the first 8 "
+                               f"rows"), lines[0]
+    assert not any(n.startswith("hs_") for n in os.listdir(out)) and not (out / "manifest.json").exists()

@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 
-from conftest import REPO, run_script
+from conftest import REPO, regen_records, run_script
 
 
 # a regression run over 40 real conversations
@@ -92,3 +92,19 @@ def test_transformers_and_vllm_give_the_same_greedy_answers_where_their_arithmet
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         print(f"{k}: {'same' if a == b else f'part at character {n}: {a[n:n + 20]!r} / {b[n:n + 20]!r}'}")
     assert len(same) >= 0.75 * len(firsts), (len(same), len(firsts))
+
+
+def test_several_sampled_answers_are_rows_of_their_own_and_never_twice(model_path, tmp_path):
+    data, out = regen_records(tmp_path / "d.jsonl", n=2), tmp_path / "prep"
+    base = ["01_prepare_dataset.py", "--model-path", model_path, "--dataset", str(data), "--output-dir", str(out),
+            "--max-seq-len", "256", "--regenerate", "--regen-engine", "hf", "--regen-max-tokens", "8"]
+    p, _ = run_script(*base, "--regen-samples", "3")
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and lines == [lines[-1]] and "--regen-samples 3: at --regen-temperature 0 every " \
+        "sample is the same greedy answer" in lines[0] and not out.exists(), p.stderr[-2000:]
+    p, _ = run_script(*base, "--regen-samples", "3", "--regen-temperature", "1.0")
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = json.load(open(out / "manifest.json"))
+    rows = [json.loads(line)["id"] for line in open(out / "tokenized_data.jsonl")]
+    assert len(rows) == len(set(rows)) == 9 - m["regenerated"]["duplicate_samples"], (rows, m["regenerated"])
+    assert {r.split("#")[0] for r in rows} == {"row0", "row1", "row2"} and any("#sample2" in r for r in rows)
