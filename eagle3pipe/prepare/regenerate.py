@@ -85,10 +85,10 @@ def check_engine(args):
             raise UsageError(f"--regen-engine {chosen.name}: the verifier is {quant.describe()}, and {why}; use "
                              f"--regen-engine hf (transformers) or a GPU machine")
         return
-    why = quantization.transformers_refusal(quant, on_gpu, compute.resolve(args.dtype, on_gpu).dtype)
+    dtype = compute.resolve(args.dtype, on_gpu).dtype
+    why = quantization.transformers_refusal(quant, on_gpu, dtype)
     if why:
-        raise UsageError(f"--regen-engine {chosen.name}, compute dtype {compute.resolve(args.dtype, on_gpu).dtype}: "
-                         f"{why}")
+        raise UsageError(f"--regen-engine {chosen.name}, compute dtype {dtype}: {why}")
 
 
 def cache_path(out):

@@ -79,14 +79,7 @@ def test_a_stop_between_the_child_s_start_and_its_record_still_reaches_it(tmp_pa
                        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     assert p.returncode == 143 and "not reached" not in p.stdout, (p.returncode, p.stdout, p.stderr)
     child = int(pidfile.read_text())
-    end = time.time() + 15
-    while time.time() < end:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
+    if not _gone(child):
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the child outlived the script")
 
